@@ -1,0 +1,29 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.vtrain-installed
+# The torch/torchvision pair this project is built and tested with (the CPU build machines serve exactly this pair).
+TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PAIR)
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/vtrain train --task metric --model debug --data demo \
+		--output-dir runs/demo --max-steps 300 --batch-size 64 --lr 2e-3 --warmup-steps 30 \
+		--eval-every 100 --log-every 25 --save-every 150 --keep-last 1 --mixed-precision bf16
+	$(VENV)/bin/vtrain eval --checkpoint runs/demo --data demo
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout 900 tests
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,105 @@
+import json
+
+import pytest
+
+from vtrain.config import build_config, read_yaml
+from vtrain.engine.ds_config import fill_ds_config
+from vtrain.errors import ConfigError
+
+
+def test_defaults_and_task_defaults():
+    cfg = build_config("metric")
+    assert cfg.model.preset == "debug" and cfg.optim.lr == 1e-3 and cfg.optim.weight_decay == 0.1
+    assert cfg.model.margin == 0.5  # ArcFace default
+    assert build_config("metric", overrides={"model": {"head": "cosface"}}).model.margin == 0.4
+
+
+@pytest.mark.parametrize("section,key,value,flag", [
+    ("train", "grad_accum", 0, "--grad-accum"),
+    ("train", "batch_size", -1, "--batch-size"),
+    ("optim", "lr", 0.0, "--lr"),
+    ("model", "preset", "vit-xxl", "--model"),
+    ("model", "image_size", 100, "--image-size"),
+    ("parallel", "mixed_precision", "fp8", "--mixed-precision"),
+    ("optim", "schedule", "linear", "--schedule"),
+    ("data", "path", "/nonexistent/faces", "--data"),
+    ("parallel", "ds_config", "/nonexistent.json", "--ds-config"),
+])
+def test_invalid_values_name_the_flag(section, key, value, flag):
+    with pytest.raises(ConfigError, match=flag):
+        build_config("metric", overrides={section: {key: value}})
+
+
+def test_dino_not_available_yet():
+    with pytest.raises(ConfigError, match="not available yet"):
+        build_config("dino")
+
+
+def test_yaml_then_flags_precedence(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("model: {preset: vit-t, head: cosface}\ntrain: {batch_size: 16, grad_accum: 4}\n")
+    cfg = build_config(None, read_yaml(f), {"train": {"grad_accum": 2}})
+    assert (cfg.model.preset, cfg.model.head, cfg.train.batch_size, cfg.train.grad_accum) == ("vit-t", "cosface", 16, 2)
+
+
+def test_bad_yaml_and_unknown_keys(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        read_yaml(bad)
+    with pytest.raises(ConfigError, match="unknown key train.batchsize"):
+        build_config("metric", {"train": {"batchsize": 3}})
+    with pytest.raises(ConfigError, match="unknown section"):
+        build_config("metric", {"trainer": {}})
+
+
+def test_invalid_ds_json(tmp_path):
+    f = tmp_path / "ds.json"
+    f.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        build_config("metric", overrides={"parallel": {"ds_config": str(f)}})
+
+
+def fill(raw, **kw):
+    args = dict(batch_size=4, grad_accum=2, world_size=2, clip_grad=1.0, precision="bf16", precision_explicit=False)
+    args.update(kw)
+    return fill_ds_config(raw, "test.json", **args)
+
+
+def test_ds_auto_values_are_filled_and_bf16_becomes_torch_autocast():
+    ds, info = fill({"train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+                     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2
+    assert ds["train_batch_size"] == 16 and ds["gradient_clipping"] == 1.0
+    assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
+    assert info == {"stage": 3, "offload_optimizer": True, "offload_params": False, "mode": "torch_autocast",
+                    "precision": "bf16"}
+
+
+def test_ds_contradictions_are_errors():
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=8 contradicts --grad-accum"):
+        fill({"gradient_accumulation_steps": 8})
+    with pytest.raises(ConfigError, match="remove the 'optimizer' section"):
+        fill({"optimizer": {"type": "Adam"}})
+    with pytest.raises(ConfigError, match="offload_param needs"):
+        fill({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    with pytest.raises(ConfigError, match="contradicts --mixed-precision"):
+        fill({"fp16": {"enabled": True}}, precision="bf16", precision_explicit=True)
+
+
+def test_ds_explicit_full_bf16_is_respected():
+    ds, info = fill({"bf16": {"enabled": True}})
+    assert info["mode"] == "bf16" and ds["bf16"]["enabled"] is True and ds["torch_autocast"]["enabled"] is False
+
+
+def test_shipped_ds_configs_fill_cleanly():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "ds_configs"
+    stages = {}
+    for name in ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"):
+        ds, info = fill(json.loads((root / f"{name}.json").read_text()))
+        stages[name] = (info["stage"], info["offload_optimizer"], info["offload_params"])
+    assert stages == {"zero1": (1, False, False), "zero2": (2, False, False), "zero2_offload": (2, True, False),
+                      "zero3": (3, False, False), "zero3_offload": (3, True, True)}

@@ -1,0 +1,158 @@
+"""Command line (Typer only): builds a validated config and calls the core. User mistakes become one line on
+stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from vtrain.errors import VtrainError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Train large vision models on small GPUs (Accelerate + DeepSpeed ZeRO / FSDP2).")
+
+
+class Task(str, Enum):
+    metric = "metric"
+    dino = "dino"
+
+
+class Precision(str, Enum):
+    auto = "auto"
+    no = "no"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
+    """Map flat CLI flags to config sections; unset flags (None) do not override the YAML file."""
+    sections = {
+        "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
+                  "drop_path", "grad_ckpt"),
+        "data": ("path", "num_workers", "val_path", "pairs_file"),
+        "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad"),
+        "parallel": ("mixed_precision", "ds_config", "fsdp"),
+        "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "save_every",
+                  "keep_last", "eval_every", "log_every", "seed", "max_nonfinite"),
+    }
+    out: dict[str, dict[str, Any]] = {s: {} for s in sections}
+    for section, names in sections.items():
+        for n in names:
+            v = flags.get(n)
+            if isinstance(v, Enum):
+                v = v.value
+            if v is not None:
+                out[section][n] = v
+    return out
+
+
+@app.command()
+def train(
+    task: Annotated[Optional[Task], typer.Option(help="metric (face recognition) or dino (detection)")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Backbone preset (see `vtrain presets`)")] = None,
+    data: Annotated[Optional[str], typer.Option(help="Data directory or `demo` (built-in synthetic data)")] = None,
+    output_dir: Annotated[Optional[str], typer.Option(help="Run directory (config, logs, checkpoints)")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="Epochs (ignored when --max-steps is set)")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Per-device micro-batch size")] = None,
+    grad_accum: Annotated[Optional[int], typer.Option(help="Gradient accumulation steps")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate")] = None,
+    weight_decay: Annotated[Optional[float], typer.Option(help="AdamW weight decay")] = None,
+    warmup_steps: Annotated[Optional[int], typer.Option(help="Linear warm-up steps")] = None,
+    schedule: Annotated[Optional[str], typer.Option(help="cosine, step or constant")] = None,
+    backbone_lr_mult: Annotated[Optional[float], typer.Option(help="Backbone LR multiplier")] = None,
+    clip_grad: Annotated[Optional[float], typer.Option(help="Max gradient norm (0 disables)")] = None,
+    mixed_precision: Annotated[Optional[Precision], typer.Option(help="auto, no, bf16 or fp16")] = None,
+    grad_ckpt: Annotated[Optional[str], typer.Option(help="Comma list of parts to checkpoint, e.g. backbone")] = None,
+    ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (ZeRO stage, offload)")] = None,
+    fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="Shard with FSDP2")] = None,
+    resume: Annotated[Optional[str], typer.Option(help="auto or a checkpoint directory")] = None,
+    save_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps")] = None,
+    keep_last: Annotated[Optional[int], typer.Option(help="Keep the last K checkpoints")] = None,
+    eval_every: Annotated[Optional[int], typer.Option(help="Evaluate every N steps (0: at the end)")] = None,
+    log_every: Annotated[Optional[int], typer.Option(help="Log every N steps")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="YAML config; flags override its values")] = None,
+    pretrained: Annotated[Optional[str], typer.Option(help="Local weights file (no downloads)")] = None,
+    image_size: Annotated[Optional[int], typer.Option(help="Input resolution")] = None,
+    embedding_dim: Annotated[Optional[int], typer.Option(help="Embedding size (metric)")] = None,
+    neck_norm: Annotated[Optional[str], typer.Option(help="Embedding neck norm: bn, ln or none")] = None,
+    head: Annotated[Optional[str], typer.Option(help="Margin head: arcface or cosface")] = None,
+    margin: Annotated[Optional[float], typer.Option(help="Margin m")] = None,
+    scale: Annotated[Optional[float], typer.Option(help="Logit scale s")] = None,
+    drop_path: Annotated[Optional[float], typer.Option(help="Stochastic depth rate")] = None,
+    num_workers: Annotated[Optional[int], typer.Option(help="Data loader workers per process")] = None,
+    val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out identity tree")] = None,
+    pairs: Annotated[Optional[str], typer.Option("--pairs", help="Verification pairs file")] = None,
+    max_nonfinite: Annotated[Optional[int], typer.Option(help="Stop after N consecutive non-finite steps")] = None,
+) -> None:
+    """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
+    from vtrain.config import build_config, read_yaml
+
+    file_values = read_yaml(config) if config is not None else {}
+    flags = dict(locals())
+    flags.update(preset=model, path=data, val_path=val_data, pairs_file=pairs)
+    cfg = build_config(task.value if task else None, file_values, _overrides(**flags))
+    from vtrain.engine.trainer import Trainer
+
+    Trainer(cfg).fit()
+
+
+@app.command("eval")
+def evaluate(
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
+    data: Annotated[Optional[str], typer.Option(help="Data directory or `demo`; default: the run's data")] = None,
+    val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out identity tree")] = None,
+    pairs: Annotated[Optional[str], typer.Option("--pairs", help="Verification pairs file")] = None,
+    batch_size: Annotated[int, typer.Option(help="Batch size")] = 64,
+    as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
+) -> None:
+    """Evaluate a checkpoint (face verification: TAR@FAR and best accuracy)."""
+    from vtrain.eval.run import evaluate_checkpoint
+
+    metrics = evaluate_checkpoint(checkpoint, data, val_data, pairs, batch_size)
+    from vtrain.engine.logging import console, verification_table
+
+    console.print(verification_table(metrics, title=f"verification: {checkpoint}"))
+    if as_json:
+        print(json.dumps({k: v for k, v in metrics.items() if k != "rows"}))
+
+
+@app.command()
+def presets() -> None:
+    """List model presets with parameter counts (built on the meta device: instant, no memory)."""
+    import torch
+    from rich.table import Table
+
+    from vtrain.engine.logging import console
+    from vtrain.models.backbones import build_backbone
+    from vtrain.presets import METRIC_PRESETS
+
+    t = Table(title="metric-learning backbones (112x112)")
+    for col in ("preset", "timm model", "backbone params", "description"):
+        t.add_column(col)
+    for name, fn in METRIC_PRESETS.items():
+        p = fn()
+        with torch.device("meta"):
+            n = sum(x.numel() for x in build_backbone(name, 112).parameters())
+        t.add_row(name, p.timm_name, f"{n / 1e6:.2f}M", p.description)
+    console.print(t)
+
+
+def main() -> None:
+    # Click (standalone mode) reports usage errors itself, with exit code 2; our own user errors arrive as
+    # VtrainError from anywhere in the core and become one line too.
+    try:
+        app(standalone_mode=True)
+    except VtrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""Typed run configuration: sections validated in ``__post_init__``; errors name the flag to change.
+
+Precedence (lowest first): dataclass defaults < task defaults < ``--config FILE.yaml`` < CLI flags.
+The resolved config is written to ``<output-dir>/config.yaml`` and is enough to rebuild the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vtrain.errors import ConfigError
+
+TASKS = ("metric", "dino")
+PRECISIONS = ("auto", "no", "bf16", "fp16")
+SCHEDULES = ("cosine", "step", "constant")
+HEADS = ("arcface", "cosface")
+NECK_NORMS = ("bn", "ln", "none")
+
+
+def _check(cond: bool, flag: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{flag}: {msg}")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "debug"
+    """Backbone preset name (see `vtrain presets`)."""
+    pretrained: str | None = None
+    """Local weights file (timm backbone or a vtrain model state dict); nothing is downloaded."""
+    image_size: int = 112
+    """Square input resolution for the metric task (face crops are 112x112)."""
+    embedding_dim: int = 512
+    neck_norm: str = "bn"
+    """Embedding neck normalisation: bn (insightface style), ln or none."""
+    head: str = "arcface"
+    margin: float | None = None
+    """Margin m; defaults to 0.5 for ArcFace and 0.4 for CosFace (face.md §1.1)."""
+    scale: float = 64.0
+    drop_path: float | None = None
+    grad_ckpt: list[str] = field(default_factory=list)
+    """Parts to checkpoint (activation recomputation), e.g. ["backbone"]."""
+
+    def __post_init__(self) -> None:
+        from vtrain.presets import METRIC_PRESETS
+
+        _check(self.preset in METRIC_PRESETS or self.preset in _dino_presets(), "--model",
+               f"unknown preset {self.preset!r}; choose one of: {', '.join(METRIC_PRESETS)}")
+        _check(self.image_size >= 32 and self.image_size % 16 == 0, "--image-size",
+               f"must be a multiple of 16 and >= 32, got {self.image_size}")
+        _check(self.embedding_dim > 0, "--embedding-dim", "must be > 0")
+        _check(self.neck_norm in NECK_NORMS, "--neck-norm", f"choose one of {NECK_NORMS}")
+        _check(self.head in HEADS, "--head", f"choose one of {HEADS}")
+        if self.margin is None:
+            self.margin = 0.5 if self.head == "arcface" else 0.4
+        _check(0.0 <= self.margin < 1.5, "--margin", f"must be in [0, 1.5), got {self.margin}")
+        _check(self.scale > 0, "--scale", "must be > 0")
+        _check(self.drop_path is None or 0.0 <= self.drop_path < 1.0, "--drop-path", "must be in [0, 1)")
+        if isinstance(self.grad_ckpt, str):
+            self.grad_ckpt = [p for p in self.grad_ckpt.split(",") if p]
+        if self.pretrained is not None:
+            _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
+
+
+def _dino_presets() -> tuple[str, ...]:
+    return ()
+
+
+@dataclass
+class DataConfig:
+    path: str = "demo"
+    """`demo` (built-in synthetic identities) or a directory with train/<identity>/*.jpg (+ val/, pairs.txt)."""
+    num_workers: int = 2
+    val_path: str | None = None
+    """Held-out identity tree for verification; defaults to <data>/val when it exists."""
+    pairs_file: str | None = None
+    """Verification pairs file (`path1 path2 1|0` per line, paths relative to the file); else pairs are sampled."""
+    max_impostor_pairs: int = 200_000
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 0, "--num-workers", "must be >= 0")
+        if self.path != "demo":
+            _check(Path(self.path).is_dir(), "--data", f"not a directory: {self.path}")
+        if self.val_path is not None:
+            _check(Path(self.val_path).is_dir(), "--val-data", f"not a directory: {self.val_path}")
+        if self.pairs_file is not None:
+            _check(Path(self.pairs_file).is_file(), "--pairs", f"file not found: {self.pairs_file}")
+        _check(self.max_impostor_pairs > 0, "data.max_impostor_pairs", "must be > 0")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.05
+    """AdamW weight decay; never applied to norms, biases, position embeddings, tokens."""
+    backbone_lr_mult: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.0
+    milestones: list[int] = field(default_factory=list)
+    """Optimizer steps at which a step schedule multiplies the LR by `gamma`."""
+    gamma: float = 0.1
+    clip_grad: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "--lr", f"must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, "--weight-decay", "must be >= 0")
+        _check(self.backbone_lr_mult > 0, "--backbone-lr-mult", "must be > 0")
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "two values in [0, 1)")
+        _check(self.warmup_steps >= 0, "--warmup-steps", "must be >= 0")
+        _check(self.schedule in SCHEDULES, "--schedule", f"choose one of {SCHEDULES}")
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+        _check(all(m > 0 for m in self.milestones), "optim.milestones", "must be positive step numbers")
+        _check(self.clip_grad >= 0, "--clip-grad", "must be >= 0 (0 disables)")
+
+
+@dataclass
+class ParallelConfig:
+    mixed_precision: str = "auto"
+    """auto (bf16 where supported, else fp16 on CUDA), no, bf16 or fp16. Master weights stay fp32."""
+    ds_config: str | None = None
+    """DeepSpeed JSON; `auto` values are filled from this config (one owner per knob)."""
+    fsdp: bool = False
+    """Shard with torch FSDP2 (also chosen by an accelerate config with an FSDP section)."""
+    fsdp_offload: bool = False
+    fsdp_reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.mixed_precision in PRECISIONS, "--mixed-precision", f"choose one of {PRECISIONS}")
+        if self.ds_config is not None:
+            p = Path(self.ds_config)
+            _check(p.is_file(), "--ds-config", f"file not found: {self.ds_config}")
+            try:
+                json.loads(p.read_text())
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"--ds-config: {self.ds_config} is not valid JSON ({e})") from None
+            _check(not self.fsdp, "--fsdp", "cannot be combined with --ds-config (choose DeepSpeed or FSDP)")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/vtrain"
+    epochs: int | None = None
+    max_steps: int | None = None
+    """Optimizer steps to train; takes precedence over --epochs. Default: 1 epoch."""
+    batch_size: int = 32
+    """Per-device micro-batch size."""
+    grad_accum: int = 1
+    resume: str | None = None
+    """`auto` (newest complete checkpoint in <output-dir>, if any) or a checkpoint directory."""
+    save_every: int = 500
+    keep_last: int = 3
+    eval_every: int = 0
+    """Evaluate every N optimizer steps (0: only at the end)."""
+    log_every: int = 10
+    seed: int = 42
+    max_nonfinite: int = 5
+    """Stop after this many consecutive steps with a non-finite loss."""
+
+    def __post_init__(self) -> None:
+        _check(self.epochs is None or self.epochs > 0, "--epochs", f"must be > 0, got {self.epochs}")
+        _check(self.max_steps is None or self.max_steps > 0, "--max-steps", f"must be > 0, got {self.max_steps}")
+        _check(self.batch_size > 0, "--batch-size", f"must be > 0, got {self.batch_size}")
+        _check(self.grad_accum > 0, "--grad-accum", f"must be > 0, got {self.grad_accum}")
+        _check(self.save_every > 0, "--save-every", f"must be > 0, got {self.save_every}")
+        _check(self.keep_last > 0, "--keep-last", f"must be > 0, got {self.keep_last}")
+        _check(self.eval_every >= 0, "--eval-every", "must be >= 0")
+        _check(self.log_every > 0, "--log-every", f"must be > 0, got {self.log_every}")
+        _check(self.max_nonfinite > 0, "--max-nonfinite", "must be > 0")
+        if self.resume is not None and self.resume != "auto":
+            _check(Path(self.resume).is_dir(), "--resume", f"not a checkpoint directory: {self.resume}")
+
+
+@dataclass
+class RunConfig:
+    task: str = "metric"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.task in TASKS, "--task", f"choose one of {TASKS}")
+        if self.task == "dino":
+            raise ConfigError("--task dino: the DINO detection task is not available yet (tracked in its own issue)")
+        for m in self.optim.milestones:
+            _check(self.train.max_steps is None or m <= self.train.max_steps, "optim.milestones",
+                   f"milestone {m} is beyond --max-steps {self.train.max_steps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["optim"]["betas"] = list(d["optim"]["betas"])
+        return d
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+SECTIONS = {f.name: f.type for f in fields(RunConfig) if f.name != "task"}
+_SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
+                    "parallel": ParallelConfig, "train": TrainConfig}
+
+# Defaults that differ per task, applied below the YAML file and the flags.
+TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    # insightface ViT recipe uses AdamW lr 1e-3, wd 0.1 (face.md §1.2); our small-batch default keeps lr 1e-3.
+    "metric": {"optim": {"lr": 1e-3, "weight_decay": 0.1}},
+}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"--config: {path} is not valid YAML ({first})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of sections (model, data, optim, parallel, train)")
+    return data
+
+
+def build_config(task: str, file_values: dict[str, Any] | None = None,
+                 overrides: dict[str, dict[str, Any]] | None = None) -> RunConfig:
+    """Merge task defaults < file values < CLI overrides into a validated RunConfig."""
+    file_values = dict(file_values or {})
+    task = file_values.pop("task", None) if task is None else task
+    task = task or "metric"
+    merged: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_CLASSES}
+    for source in (TASK_DEFAULTS.get(task, {}), file_values, overrides or {}):
+        for section, values in source.items():
+            if section == "task":
+                continue
+            if section not in _SECTION_CLASSES:
+                raise ConfigError(f"--config: unknown section {section!r}; sections are {', '.join(_SECTION_CLASSES)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"--config: section {section!r} must be a mapping")
+            known = {f.name for f in fields(_SECTION_CLASSES[section])}
+            for k, v in values.items():
+                if k not in known:
+                    raise ConfigError(f"--config: unknown key {section}.{k}; known: {', '.join(sorted(known))}")
+                if v is not None:
+                    merged[section][k] = v
+    try:
+        sections = {name: cls(**merged[name]) for name, cls in _SECTION_CLASSES.items()}
+    except TypeError as e:  # wrong value types from YAML
+        raise ConfigError(f"--config: {e}") from None
+    return RunConfig(task=task, **sections)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Rebuild the config saved with a run (``config.yaml``), skipping path checks that may no longer hold."""
+    data = read_yaml(path)
+    task = data.pop("task", "metric")
+    data.get("model", {}).pop("pretrained", None)  # weights come from the checkpoint
+    data.get("train", {}).pop("resume", None)
+    data.get("parallel", {}).pop("ds_config", None)
+    data.pop("data", None)
+    return build_config(task, data)
+
+
+def replace(cfg: Any, **kw: Any) -> Any:
+    return dataclasses.replace(cfg, **kw)

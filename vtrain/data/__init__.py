@@ -1,0 +1,1 @@
+"""Data: built-in demo sets, folder datasets, the resumable sharded sampler."""

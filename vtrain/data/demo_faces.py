@@ -1,0 +1,117 @@
+"""Built-in demo data for metric learning: deterministic synthetic identities written as real JPEG files.
+
+Each identity is a fixed random "face" (skin and background colours, eye/mouth geometry, marks, a texture);
+each image of it varies pose (shift, scale, rotation), lighting, noise and background clutter, so that telling
+identities apart has to be learned. Written once to a cache dir in the same identity-per-folder layout a user
+provides (train/ and val/ with disjoint identities), so the real loading code is exercised.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFilter
+
+VERSION = 1
+TRAIN_IDS, TRAIN_PER_ID = 200, 12
+VAL_IDS, VAL_PER_ID = 50, 8
+SIZE = 112
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VTRAIN_CACHE", Path.home() / ".cache" / "vtrain"))
+
+
+def _identity(rng: np.random.Generator) -> dict:
+    return {
+        "skin": rng.integers(60, 230, 3),
+        "face_w": rng.uniform(0.28, 0.40), "face_h": rng.uniform(0.36, 0.46),
+        "eye_dx": rng.uniform(0.09, 0.17), "eye_y": rng.uniform(-0.12, -0.02), "eye_r": rng.uniform(0.03, 0.06),
+        "eye_col": rng.integers(0, 255, 3),
+        "mouth_w": rng.uniform(0.08, 0.22), "mouth_y": rng.uniform(0.14, 0.24), "mouth_col": rng.integers(0, 255, 3),
+        "marks": [(rng.uniform(-0.25, 0.25), rng.uniform(-0.3, 0.3), rng.uniform(0.02, 0.05), rng.integers(0, 255, 3))
+                  for _ in range(int(rng.integers(1, 4)))],
+        "stripe_angle": rng.uniform(0, np.pi), "stripe_freq": rng.uniform(0.05, 0.25),
+    }
+
+
+def _render(ident: dict, rng: np.random.Generator) -> Image.Image:
+    big = SIZE * 2  # draw at 2x, then rotate and downsample (anti-aliasing)
+    img = Image.new("RGB", (big, big), tuple(int(c) for c in rng.integers(0, 255, 3)))
+    d = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(2, 6))):  # background clutter, different every image
+        x0, y0 = rng.integers(0, big, 2)
+        r = int(rng.integers(8, 40))
+        d.rectangle([x0, y0, x0 + r, y0 + r], fill=tuple(int(c) for c in rng.integers(0, 255, 3)))
+    s = big * rng.uniform(0.9, 1.1)
+    cx, cy = big / 2 + rng.normal(0, 6), big / 2 + rng.normal(0, 6)
+
+    def pt(x: float, y: float) -> tuple[float, float]:
+        return cx + x * s, cy + y * s
+
+    fw, fh = ident["face_w"] * s, ident["face_h"] * s
+    d.ellipse([cx - fw, cy - fh, cx + fw, cy + fh], fill=tuple(int(c) for c in ident["skin"]))
+    for side in (-1, 1):
+        ex, ey = pt(side * ident["eye_dx"], ident["eye_y"])
+        r = ident["eye_r"] * s
+        d.ellipse([ex - r, ey - r, ex + r, ey + r], fill=tuple(int(c) for c in ident["eye_col"]))
+    mx, my = pt(0, ident["mouth_y"])
+    mw = ident["mouth_w"] * s
+    d.rectangle([mx - mw, my - 0.02 * s, mx + mw, my + 0.02 * s], fill=tuple(int(c) for c in ident["mouth_col"]))
+    for x, y, r, col in ident["marks"]:
+        px, py = pt(x, y)
+        d.ellipse([px - r * s, py - r * s, px + r * s, py + r * s], fill=tuple(int(c) for c in col))
+    img = img.rotate(float(rng.normal(0, 8)), resample=Image.BILINEAR, center=(cx, cy))
+    img = img.resize((SIZE, SIZE), Image.BILINEAR)
+    a = np.asarray(img).astype(np.float32)
+    yy, xx = np.mgrid[0:SIZE, 0:SIZE]
+    stripes = np.sin((xx * np.cos(ident["stripe_angle"]) + yy * np.sin(ident["stripe_angle"])) * ident["stripe_freq"] * 2)
+    a = a + 12 * stripes[..., None]
+    a = a * rng.uniform(0.7, 1.3) + rng.normal(0, rng.uniform(2, 10), a.shape)
+    out = Image.fromarray(np.clip(a, 0, 255).astype(np.uint8))
+    if rng.random() < 0.3:
+        out = out.filter(ImageFilter.GaussianBlur(rng.uniform(0.3, 1.2)))
+    return out
+
+
+def _write_identity(args: tuple[Path, int, int, int]) -> None:
+    folder, i, per_id, seed = args
+    ident = _identity(np.random.default_rng([seed, i]))
+    folder.mkdir(parents=True)
+    for j in range(per_id):
+        _render(ident, np.random.default_rng([seed, i, j, 1])).save(folder / f"{j:03d}.jpg", quality=92)
+
+
+def write_identity_tree(root: Path, first_id: int, num_ids: int, per_id: int, seed: int = 0) -> Path:
+    """Write `num_ids` synthetic identities (ids first_id..) as root/id_XXXXX/NNN.jpg; used by tests too."""
+    jobs = [(Path(root) / f"id_{i:05d}", i, per_id, seed) for i in range(first_id, first_id + num_ids)]
+    with multiprocessing.get_context("fork").Pool(min(4, os.cpu_count() or 1)) as pool:
+        pool.map(_write_identity, jobs)
+    return Path(root)
+
+
+def ensure_demo_faces(seed: int = 0) -> Path:
+    """Return the demo dataset dir, generating it once (atomically: concurrent ranks race safely)."""
+    target = cache_root() / f"demo_faces_v{VERSION}_s{seed}"
+    if (target / "DONE").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo_faces_", dir=target.parent))
+    try:
+        write_identity_tree(tmp / "train", 0, TRAIN_IDS, TRAIN_PER_ID, seed)
+        write_identity_tree(tmp / "val", TRAIN_IDS, VAL_IDS, VAL_PER_ID, seed)
+        (tmp / "DONE").write_text("ok\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "DONE").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,95 @@
+"""Fill a DeepSpeed JSON from vtrain's config: vtrain owns batch size, accumulation, clipping and precision.
+
+`"auto"` (or absent) values are filled; explicit values must agree with vtrain's, else a one-line error names
+both. Precision: unless the JSON explicitly enables DeepSpeed's own full-bf16/fp16 mode, bf16 runs in
+DeepSpeed's `torch_autocast` mode (fp32 master weights and buffers, forward under autocast), which trains
+BatchNorm models where plain DeepSpeed bf16 fails ('expected scalar type BFloat16 but found Float';
+../shared/reference/cpu_distributed.md, memory_ckpt.md §4).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from vtrain.errors import ConfigError
+
+
+def _is_auto(v: Any) -> bool:
+    return v is None or v == "auto"
+
+
+def _enabled(section: Any) -> Any:
+    return section.get("enabled", "auto") if isinstance(section, dict) else "auto"
+
+
+def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_accum: int, world_size: int,
+                   clip_grad: float, precision: str, precision_explicit: bool) -> tuple[dict[str, Any], dict]:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--ds-config {source}: top level must be a JSON object")
+    ds = copy.deepcopy(raw)
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise ConfigError(f"--ds-config {source}: remove the '{key}' section; vtrain builds AdamW and the LR "
+                              "schedule from --lr/--weight-decay/--warmup-steps (one owner per knob)")
+
+    def own(key: str, value: Any, flag: str) -> None:
+        if _is_auto(ds.get(key)):
+            ds[key] = value
+        elif ds[key] != value:
+            raise ConfigError(f"--ds-config {source}: {key}={ds[key]} contradicts {flag} (={value}); "
+                              f"set it to \"auto\" or change {flag}")
+
+    own("train_micro_batch_size_per_gpu", batch_size, "--batch-size")
+    own("gradient_accumulation_steps", grad_accum, "--grad-accum")
+    own("train_batch_size", batch_size * grad_accum * world_size, "--batch-size x --grad-accum x processes")
+    own("gradient_clipping", float(clip_grad), "--clip-grad")
+
+    zero = ds.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"--ds-config {source}: zero_optimization must be an object")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--ds-config {source}: zero_optimization.stage must be 0-3, got {stage!r}")
+
+    def offloaded(key: str) -> bool:
+        dev = (zero.get(key) or {}).get("device", "none")
+        if dev not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"--ds-config {source}: zero_optimization.{key}.device must be none/cpu/nvme")
+        return dev != "none"
+
+    off_opt, off_par = offloaded("offload_optimizer"), offloaded("offload_param")
+    if off_par and stage != 3:
+        raise ConfigError(f"--ds-config {source}: offload_param needs zero_optimization.stage 3 (got {stage})")
+
+    bf16, fp16 = _enabled(ds.get("bf16")), _enabled(ds.get("fp16"))
+    explicit = [name for name, v in (("bf16", bf16), ("fp16", fp16)) if v is True]
+    autocast_cfg = ds.get("torch_autocast", {})
+    if len(explicit) > 1:
+        raise ConfigError(f"--ds-config {source}: bf16 and fp16 cannot both be enabled")
+    if explicit:  # the user asked for DeepSpeed's own full low-precision mode: respect it
+        mode = explicit[0]
+        if precision_explicit and precision != mode:
+            raise ConfigError(f"--ds-config {source}: {mode}.enabled=true contradicts --mixed-precision {precision}")
+        precision = mode
+        ds.setdefault("torch_autocast", {})["enabled"] = False
+    elif _enabled(autocast_cfg) is True:
+        mode = "torch_autocast"
+        dtype = autocast_cfg.get("dtype", "bfloat16")
+        precision = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16"}.get(dtype, "bf16")
+    elif precision == "no":
+        mode = "fp32"
+        ds["torch_autocast"] = {"enabled": False}
+    elif precision == "fp16":
+        raise ConfigError("--mixed-precision fp16 with DeepSpeed: use bf16 (torch_autocast, fp32 master weights), "
+                          "or set \"fp16\": {\"enabled\": true} in the JSON for DeepSpeed's loss-scaled fp16 mode")
+    else:
+        mode = "torch_autocast"
+        ds["torch_autocast"] = {**(autocast_cfg if isinstance(autocast_cfg, dict) else {}),
+                                "enabled": True, "dtype": "bfloat16"}
+    for name in ("bf16", "fp16"):
+        if mode != name:
+            ds[name] = {**(ds.get(name) if isinstance(ds.get(name), dict) else {}), "enabled": False}
+    info = {"stage": stage, "offload_optimizer": off_opt, "offload_params": off_par, "mode": mode,
+            "precision": precision}
+    return ds, info

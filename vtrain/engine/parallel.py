@@ -1,0 +1,295 @@
+"""Parallelism and precision applied to a built model: the only module that knows DDP, FSDP2 and DeepSpeed.
+
+DDP and DeepSpeed go through Accelerate (`accelerator.prepare`); FSDP2 is applied here with torch's
+`fully_shard` because Accelerate skips it on CPU processes. The loop talks to this class only:
+`sync_context`, `forward_context`, `backward`, `step`, `zero_grad`, `full_state_dict`, `save`/`load`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+from torch import nn
+
+from vtrain.engine import precision as prec
+from vtrain.engine.fsdp import apply_fsdp2
+from vtrain.engine.plan import Plan
+from vtrain.errors import VtrainError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def quiet_libraries() -> None:
+    """Keep the run log readable: DeepSpeed's INFO chatter and deprecation warnings from inside libraries."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    # DeepSpeed steps the client optimizer through its own wrapper, which LambdaLR cannot see: the order is right.
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def build_accelerator(plan: Plan, grad_accum: int) -> Accelerator:
+    if plan.kind == "deepspeed" and "RANK" not in os.environ:
+        # A plain `vtrain train --ds-config ...` (or `accelerate launch` with one process) sets no rendezvous;
+        # DeepSpeed would then try MPI discovery and fail on "No module named 'mpi4py'".
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    # We own FSDP (see fsdp.py): keep Accelerate from wrapping the model itself on GPUs.
+    for var in ("ACCELERATE_USE_FSDP",):
+        os.environ.pop(var, None)
+    handlers = []
+    cpu_only = not torch.cuda.is_available()
+    if cpu_only and (plan.world_size > 1 or plan.kind == "deepspeed"):
+        # Without an explicit gloo backend Accelerate reports 1 process and every rank "main" on CPU under
+        # DeepSpeed (data not sharded, every rank saving): cpu_distributed.md.
+        handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=timedelta(minutes=30)))
+    ds_plugin = None
+    if plan.kind == "deepspeed":
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # the plugin below is the only DeepSpeed source
+        ds_plugin = DeepSpeedPlugin(hf_ds_config=plan.ds_config)
+    # On CPU processes DDP needs cpu=True: with the gloo kwargs alone Accelerate stays at distributed type NO
+    # and `prepare` returns the bare model (measured: accelerate 1.15). cpu=True would drop DeepSpeed, so
+    # DeepSpeed keeps the kwargs route above.
+    cpu_flag = cpu_only and plan.kind != "deepspeed" and plan.world_size > 1
+    # Precision is applied by vtrain (autocast here, torch_autocast inside DeepSpeed), so Accelerate gets "no".
+    accelerator = Accelerator(mixed_precision="no", deepspeed_plugin=ds_plugin, kwargs_handlers=handlers,
+                              cpu=cpu_flag, gradient_accumulation_steps=grad_accum)
+    quiet_libraries()
+    return accelerator
+
+
+class ParallelEngine:
+    def __init__(self, plan: Plan, accelerator: Accelerator) -> None:
+        self.plan, self.accelerator = plan, accelerator
+        self.device = accelerator.device
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.scaler = None
+        if plan.kind != "deepspeed" and plan.precision == "fp16":
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        self.fsdp_units = 0
+        self.bn_fp32_layers = 0
+
+    # ---- build --------------------------------------------------------------------------------------------
+    def shard(self, model: nn.Module) -> nn.Module:
+        """Steps that must happen before the optimizer exists (FSDP2 replaces parameters with DTensors)."""
+        if self.plan.kind == "fsdp":
+            if not self.plan.fsdp_offload:
+                model.to(self.device)
+            self.fsdp_units = apply_fsdp2(model, self.plan.precision, self.plan.fsdp_offload,
+                                          self.plan.fsdp_reshard_after_forward)
+        if self.plan.kind == "deepspeed" and self.plan.ds_precision_mode in ("bf16", "fp16"):
+            self.bn_fp32_layers = prec.keep_batchnorm_fp32(model)
+        return model
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+        if self.plan.kind == "fsdp":
+            self.model, self.optimizer = model, optimizer
+        else:
+            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        return self.model, self.optimizer
+
+    @property
+    def unwrapped(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.model) if self.plan.kind != "fsdp" else self.model
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """DeepSpeed's full bf16/fp16 modes need inputs in the parameter dtype; every other mode takes fp32."""
+        if self.plan.kind == "deepspeed" and self.plan.ds_precision_mode in ("bf16", "fp16"):
+            return prec.DTYPES[self.plan.ds_precision_mode]
+        return torch.float32
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        # DeepSpeed runs its own autocast (torch_autocast mode) inside engine.forward; nesting ours would warn.
+        if self.plan.kind == "deepspeed":
+            return contextlib.nullcontext()
+        return prec.autocast(self.device.type, self.plan.precision)
+
+    def sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Gradient synchronisation only on the last micro-batch of an accumulation window."""
+        if self.plan.kind == "ddp" and not sync:
+            return self.model.no_sync()
+        if self.plan.kind == "fsdp":
+            self.model.set_requires_gradient_sync(sync)
+        if self.plan.kind == "deepspeed":
+            self.model.set_gradient_accumulation_boundary(is_boundary=sync)
+        return contextlib.nullcontext()
+
+    def all_finite(self, loss: torch.Tensor) -> bool:
+        """Whether the loss is finite on every rank (all ranks must agree to skip, or collectives hang)."""
+        flag = torch.isfinite(loss.detach()).float().reshape(1)
+        if self.plan.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() > 0)
+
+    def backward(self, loss: torch.Tensor, grad_accum: int) -> None:
+        if self.plan.kind == "deepspeed":
+            self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+            return
+        loss = loss / grad_accum
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def step(self, clip_grad: float) -> float:
+        """Clip, update and zero gradients; returns the global gradient norm (before clipping)."""
+        if self.plan.kind == "deepspeed":
+            self.model.step()  # clipping from the filled gradient_clipping value
+            norm = self.model.get_global_grad_norm()
+            return float(norm) if norm is not None else float("nan")
+        opt = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else math.inf)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
+        if self.scaler is not None:
+            self.scaler.step(opt)
+            self.scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of a skipped (non-finite) accumulation window."""
+        if self.plan.kind == "deepspeed":
+            self.model.zero_grad()
+        else:
+            (self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer).zero_grad(
+                set_to_none=True)
+
+    # ---- state --------------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model in fp32 on CPU, on rank 0 (None elsewhere). Collective: call on every rank."""
+        main = self.accelerator.is_main_process
+        if self.plan.kind == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        elif self.plan.kind == "deepspeed" and self.plan.zero_stage == 3:
+            import deepspeed
+
+            sd = {}
+            module = self.model.module
+            for name, p in module.named_parameters():
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                    if main:
+                        sd[name] = p.detach().float().cpu().clone()
+            for name, b in module.named_buffers():
+                if main:
+                    sd[name] = b.detach().cpu().clone()
+        else:
+            sd = self.unwrapped.state_dict() if main else {}
+        if not main:
+            return None
+        return {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in sd.items()}
+
+    def save(self, path: Path) -> None:
+        """Model + optimizer + per-rank RNG. Collective."""
+        self.accelerator.save_state(str(path / "accelerate"), safe_serialization=True)
+        if self.plan.kind == "fsdp":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "fsdp"))
+        if self.scaler is not None and self.accelerator.is_main_process:
+            torch.save(self.scaler.state_dict(), path / "scaler.pt")
+
+    def load(self, path: Path) -> None:
+        self.accelerator.load_state(str(path / "accelerate"))
+        if self.plan.kind == "fsdp":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            if not (path / "fsdp").is_dir():
+                raise VtrainError(f"--resume: {path} holds no FSDP state (was it saved by another engine?)")
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=str(path / "fsdp"))
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        if self.scaler is not None and (path / "scaler.pt").is_file():
+            self.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
+
+    # ---- what is really active -----------------------------------------------------------------------------
+    def active(self) -> dict[str, Any]:
+        """Facts read from the live objects (not from flags), for this rank."""
+        info: dict[str, Any] = {
+            "rank": self.accelerator.process_index,
+            "accelerate_num_processes": self.accelerator.num_processes,
+            "accelerate_is_main": self.accelerator.is_main_process,
+            "dist_world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "model_class": type(self.model).__name__,
+            "precision": self.plan.precision,
+        }
+        params = list(self.model.parameters())
+        if self.plan.kind == "deepspeed":
+            import deepspeed
+
+            info["deepspeed_engine"] = isinstance(self.model, deepspeed.DeepSpeedEngine)
+            info["zero_stage"] = self.model.zero_optimization_stage()
+            info["offload_optimizer"] = bool(self.model.zero_offload_optimizer()) if self.plan.zero_stage else False
+            info["offload_params"] = bool(self.model.zero_offload_param()) if self.plan.zero_stage == 3 else False
+            info["torch_autocast"] = bool(self.model.torch_autocast_enabled())
+            info["param_dtype"] = str(params[0].dtype)
+            if self.plan.zero_stage == 3:
+                local = sum(p.ds_tensor.numel() for p in params)
+                total = sum(p.ds_numel for p in params)
+                info["local_param_fraction"] = local / total
+        elif self.plan.kind == "fsdp":
+            from torch.distributed.tensor import DTensor
+
+            info["all_params_dtensor"] = all(isinstance(p, DTensor) for p in params)
+            local = sum(p.to_local().numel() for p in params if isinstance(p, DTensor))
+            total = sum(p.numel() for p in params)
+            info["local_param_fraction"] = local / total
+            info["fsdp_units"] = self.fsdp_units
+            info["param_dtype"] = str(params[0].dtype)
+        else:
+            info["ddp_wrapped"] = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+            info["param_dtype"] = str(params[0].dtype)
+        return info
+
+    def verify(self, info: dict[str, Any]) -> None:
+        """Stop with a clear error if what runs is not what was asked for."""
+        p, problems = self.plan, []
+        if info["accelerate_num_processes"] != p.world_size or info["dist_world_size"] != p.world_size:
+            problems.append(f"world size: launched {p.world_size} processes but Accelerate sees "
+                            f"{info['accelerate_num_processes']} and torch.distributed {info['dist_world_size']}")
+        if p.kind == "deepspeed":
+            if not info["deepspeed_engine"]:
+                problems.append("DeepSpeed was requested but the model is not a DeepSpeedEngine")
+            elif info["zero_stage"] != p.zero_stage:
+                problems.append(f"ZeRO stage {info['zero_stage']} active, {p.zero_stage} requested")
+            elif info["offload_optimizer"] != p.offload_optimizer or info["offload_params"] != p.offload_params:
+                problems.append("DeepSpeed offload settings differ from the config")
+        elif p.kind == "fsdp":
+            if not info["all_params_dtensor"]:
+                problems.append("FSDP2 was requested but parameters are not DTensors")
+        elif p.kind == "ddp" and not info["ddp_wrapped"]:
+            problems.append(f"DDP over {p.world_size} processes was requested but the model is "
+                            f"{info['model_class']}")
+        if problems:
+            raise VtrainError("active engine differs from the request: " + "; ".join(problems))

@@ -1,0 +1,109 @@
+"""What the user asked for, resolved once: engine kind, ZeRO stage / FSDP settings, precision, world size.
+
+Sources: vtrain's config (flags / YAML) and the environment `accelerate launch` sets from an accelerate config
+file (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_USE_FSDP, FSDP_*). The plan is
+checked against what is really active after `prepare` (see `ParallelEngine.verify`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vtrain.config import RunConfig
+from vtrain.engine.ds_config import fill_ds_config
+from vtrain.errors import ConfigError
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_precision(requested: str) -> str:
+    """`auto`: bf16 where the device supports it (any CPU, Ampere+ GPUs), else fp16 on older GPUs."""
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "fp16"
+    return "bf16"
+
+
+@dataclass
+class Plan:
+    kind: str  # single | ddp | fsdp | deepspeed
+    world_size: int
+    precision: str  # no | bf16 | fp16
+    ds_config: dict[str, Any] | None = None
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    ds_precision_mode: str = ""  # torch_autocast | bf16 | fp16 | fp32 (DeepSpeed only)
+    fsdp_offload: bool = False
+    fsdp_reshard_after_forward: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        if self.kind == "deepspeed":
+            off = [n for n, on in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if on]
+            eng = f"DeepSpeed ZeRO-{self.zero_stage}" + (f" (offload {'+'.join(off)} to CPU)" if off else "")
+        elif self.kind == "fsdp":
+            eng = "FSDP2 (fully_shard per block + root" + (", CPU offload" if self.fsdp_offload else "") + ")"
+        else:
+            eng = {"single": "single process", "ddp": "DDP"}[self.kind]
+        return eng
+
+
+def _ds_config_source(cfg: RunConfig) -> tuple[dict[str, Any] | None, str | None]:
+    if cfg.parallel.ds_config:
+        return json.loads(Path(cfg.parallel.ds_config).read_text()), cfg.parallel.ds_config
+    if _env_true("ACCELERATE_USE_DEEPSPEED"):
+        path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if path and path.lower() != "none":
+            try:
+                return json.loads(Path(path).read_text()), path
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"accelerate config deepspeed_config_file {path}: {e}") from None
+        # accelerate config with inline deepspeed settings
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+        zero: dict[str, Any] = {"stage": stage}
+        if os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") not in ("none", ""):
+            zero["offload_optimizer"] = {"device": os.environ["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"]}
+        if os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") not in ("none", ""):
+            zero["offload_param"] = {"device": os.environ["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"]}
+        return {"zero_optimization": zero}, "accelerate config"
+    return None, None
+
+
+def resolve_plan(cfg: RunConfig) -> Plan:
+    world = world_size_from_env()
+    precision = resolve_precision(cfg.parallel.mixed_precision)
+    raw, source = _ds_config_source(cfg)
+    use_fsdp = cfg.parallel.fsdp or _env_true("ACCELERATE_USE_FSDP")
+    if raw is not None and use_fsdp:
+        raise ConfigError("--fsdp: cannot combine FSDP with a DeepSpeed config; choose one")
+    if raw is not None:
+        filled, info = fill_ds_config(raw, source or "ds config", batch_size=cfg.train.batch_size,
+                                      grad_accum=cfg.train.grad_accum, world_size=world,
+                                      clip_grad=cfg.optim.clip_grad, precision=precision,
+                                      precision_explicit=cfg.parallel.mixed_precision != "auto")
+        return Plan("deepspeed", world, info["precision"], ds_config=filled, zero_stage=info["stage"],
+                    offload_optimizer=info["offload_optimizer"], offload_params=info["offload_params"],
+                    ds_precision_mode=info["mode"])
+    if use_fsdp:
+        offload = cfg.parallel.fsdp_offload or _env_true("FSDP_OFFLOAD_PARAMS")
+        reshard = cfg.parallel.fsdp_reshard_after_forward
+        if "FSDP_RESHARD_AFTER_FORWARD" in os.environ:
+            reshard = os.environ["FSDP_RESHARD_AFTER_FORWARD"].lower() in ("true", "1", "full_shard")
+        if precision == "fp16":
+            raise ConfigError("--mixed-precision fp16 is not supported with FSDP in vtrain; use bf16 (default)")
+        return Plan("fsdp", world, precision, fsdp_offload=offload, fsdp_reshard_after_forward=reshard)
+    return Plan("ddp" if world > 1 else "single", world, precision)

@@ -1,0 +1,294 @@
+"""The training loop: one explicit loop, periodic work as visible `if step % n == 0` lines.
+
+`Trainer.__init__` fixes the build order; `train_step` runs one optimizer step (all micro-batches of an
+accumulation window) so tests can call it; `fit` is the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import set_seed
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+
+from vtrain.config import RunConfig
+from vtrain.data.sampler import ShardedEpochSampler
+from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.logging import RunLogger, StepTimer, peak_memory_gb
+from vtrain.engine.optim import build_optimizer, build_scheduler
+from vtrain.engine.parallel import ParallelEngine, build_accelerator
+from vtrain.engine.plan import resolve_plan
+from vtrain.errors import VtrainError
+from vtrain.tasks import build_task
+
+
+def _debug_crash(var: str, step: int) -> None:
+    """Fault injection for the resume tests: a hard kill (no cleanup, no exception handlers) at a given step."""
+    if os.environ.get(var) == str(step):
+        os._exit(17)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        t = cfg.train
+        # 1. launch plan, then the process group: everything below may run collectives.
+        self.plan = resolve_plan(cfg)
+        self.accelerator = build_accelerator(self.plan, t.grad_accum)
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.is_main = self.accelerator.is_main_process
+        self.out = Path(t.output_dir)
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.out / "config.yaml")
+        # 2. identical initial weights on every rank (FSDP2 shards from the full init; DDP would broadcast).
+        set_seed(t.seed)
+        self.task = build_task(cfg)
+        dataset = self.task.train_dataset()
+        # 3. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
+        model = self.task.build_model()
+        self.pretrained_msg = self.task.load_pretrained(model) if cfg.model.pretrained else ""
+        self.engine = ParallelEngine(self.plan, self.accelerator)
+        model = self.engine.shard(model)
+        # 4. parameter groups and optimizer (after FSDP2: they must see the DTensor parameters)
+        optimizer = build_optimizer(model, cfg.optim, self.plan)
+        # 5. data: our own sharded, resumable sampler (Accelerate does not shard it; see sampler.py)
+        self.sampler = ShardedEpochSampler(len(dataset), t.batch_size, self.rank, self.world, seed=t.seed)
+        if self.sampler.batches_per_epoch < 1:
+            raise VtrainError(f"--batch-size {t.batch_size} x {self.world} processes exceeds the "
+                              f"{len(dataset)} training images")
+        self.dataset = dataset
+        per_epoch = self.sampler.batches_per_epoch // t.grad_accum
+        if t.max_steps is None and per_epoch < 1:
+            raise VtrainError(f"one epoch has {self.sampler.batches_per_epoch} micro-batches per process, fewer "
+                              f"than --grad-accum {t.grad_accum}; lower it or set --max-steps")
+        self.total_steps = t.max_steps or (t.epochs or 1) * per_epoch
+        # 6. one prepare (DDP wrap / DeepSpeed engine), then the scheduler on the optimizer DeepSpeed now drives
+        self.model, self.optimizer = self.engine.prepare(model, optimizer)
+        self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
+        self.active = self.engine.active()
+        self.engine.verify(self.active)
+        # 7. resume (model, optimizer, RNG through the engine; step, schedule, counters here)
+        self.step = 0
+        self.skipped_steps = 0
+        self.consecutive_nonfinite = 0
+        self.resumed_from = ckpt.resolve_resume(t.resume, self.out)
+        if self.resumed_from is not None:
+            self._load(self.resumed_from)
+        self.logger = RunLogger(self.out, self.is_main, self.total_steps, self.step)
+        self._first_batch_indices: list[int] | None = None
+
+    # ---- description -----------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        t, p = self.cfg.train, self.plan
+        mode = {"torch_autocast": f"{p.precision} autocast, fp32 master weights (DeepSpeed torch_autocast)",
+                "bf16": "DeepSpeed full bf16 (BatchNorm kept fp32)", "fp16": "DeepSpeed fp16 + loss scaling",
+                "fp32": "fp32"}.get(p.ds_precision_mode, "fp32" if p.precision == "no" else
+                                    f"{p.precision} autocast, fp32 master weights")
+        extra = ""
+        if "local_param_fraction" in self.active:
+            extra = f" | local params {self.active['local_param_fraction']:.3f} of model"
+        return (f"engine: {p.describe()} | world {self.world} | device {self.accelerator.device} | precision {mode}"
+                f" | micro-batch {t.batch_size} x accum {t.grad_accum} x {self.world} = global batch "
+                f"{t.batch_size * t.grad_accum * self.world}{extra}")
+
+    # ---- data position -----------------------------------------------------------------------------------------
+    def _micro_batches(self):
+        """Infinite stream of micro-batches starting at the position implied by self.step."""
+        consumed = self.step * self.cfg.train.grad_accum
+        bpe = self.sampler.batches_per_epoch
+        epoch, offset = divmod(consumed, bpe)
+        while True:
+            self.sampler.set_position(epoch, offset)
+            loader = DataLoader(self.dataset, batch_size=self.cfg.train.batch_size, sampler=self.sampler,
+                                num_workers=self.cfg.data.num_workers, drop_last=True,
+                                pin_memory=self.accelerator.device.type == "cuda")
+            for batch in loader:
+                yield epoch, batch
+            epoch, offset = epoch + 1, 0
+
+    # ---- one optimizer step ------------------------------------------------------------------------------------
+    def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """Forward/backward over the micro-batches of one accumulation window, then one update (or a skip
+        when any micro-batch had a non-finite loss on any rank)."""
+        self.model.train()
+        accum = len(batches)
+        sums: dict[str, float] = {}
+        window_ok = True
+        for i, batch in enumerate(batches):
+            inputs = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in
+                      self.task.model_inputs(batch).items()}
+            if inputs["images"].is_floating_point():
+                inputs["images"] = inputs["images"].to(self.engine.input_dtype)
+            sync = i == accum - 1
+            with self.engine.sync_context(sync):
+                with self.engine.forward_context():
+                    out = self.model(**inputs)
+                loss = out["loss"]
+                finite = self.engine.all_finite(loss)
+                if finite:
+                    self.engine.backward(loss, accum)
+                else:
+                    window_ok = False  # no backward on any rank: no collective is left half-done
+            for k, v in out.items():
+                if v.ndim == 0 and finite:
+                    sums[k] = sums.get(k, 0.0) + float(v.detach())
+        if window_ok:
+            grad_norm = self.engine.step(self.cfg.optim.clip_grad)
+            self.scheduler.step()
+            self.consecutive_nonfinite = 0
+        else:
+            self.engine.zero_grad()
+            grad_norm = float("nan")
+            self.skipped_steps += 1
+            self.consecutive_nonfinite += 1
+        self.step += 1
+        stats = {k: v / accum for k, v in sums.items()} if window_ok else {"loss": float("nan")}
+        stats["grad_norm"] = grad_norm
+        stats["skipped"] = not window_ok
+        return stats
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any] | None:
+        t = self.cfg.train
+        self.logger.info(self.describe())
+        if self.pretrained_msg:
+            self.logger.info(self.pretrained_msg)
+        if self.resumed_from is not None:
+            self.logger.info(f"resumed from {self.resumed_from} at step {self.step}")
+        stream = self._micro_batches()
+        timer = StepTimer()
+        window: dict[str, float] = {}
+        last_eval: dict[str, Any] | None = None
+        while self.step < self.total_steps:
+            _debug_crash("VTRAIN_DEBUG_CRASH_AT_STEP", self.step + 1)
+            batches = []
+            for _ in range(t.grad_accum):
+                t0 = time.perf_counter()
+                epoch, batch = next(stream)
+                timer.add_data(time.perf_counter() - t0)
+                batches.append(batch)
+            if self._first_batch_indices is None:
+                self._first_batch_indices = batches[0]["index"].tolist()
+                self._write_run_info()
+            stats = self.train_step(batches)
+            timer.steps += 1
+            for k, v in stats.items():
+                if k != "skipped" and not (isinstance(v, float) and math.isnan(v)):
+                    window[k] = window.get(k, 0.0) + v
+                    window[f"n_{k}"] = window.get(f"n_{k}", 0) + 1
+            self.logger.advance()
+            if self.step % t.log_every == 0 or self.step == self.total_steps:
+                self._log(epoch, window, timer)
+                window = {}
+                timer.reset()
+            if self.consecutive_nonfinite >= t.max_nonfinite:
+                self.logger.close()
+                raise VtrainError(f"stopping: {self.consecutive_nonfinite} consecutive steps with a non-finite loss "
+                                  f"(step {self.step}); lower --lr or raise --warmup-steps, or use bf16")
+            if t.eval_every and self.step % t.eval_every == 0 and self.step != self.total_steps:
+                last_eval = self.evaluate()
+            if self.step % t.save_every == 0 or self.step == self.total_steps:
+                self.save()
+        if self.total_steps > 0:
+            last_eval = self.evaluate()
+        self.logger.close()
+        return last_eval
+
+    def _log(self, epoch: int, window: dict[str, float], timer: StepTimer) -> None:
+        # mean over steps since the last log line, averaged over ranks (one all-reduce per log line)
+        keys = sorted(k for k in window if not k.startswith("n_"))
+        vals = torch.tensor([window[k] / window[f"n_{k}"] for k in keys], dtype=torch.float64)
+        if self.world > 1 and keys:
+            dist.all_reduce(vals)
+            vals /= self.world
+        elapsed = time.perf_counter() - timer.t0
+        steps = max(timer.steps, 1)
+        mem_key, mem = peak_memory_gb(self.accelerator.device)
+        samples = steps * self.cfg.train.batch_size * self.cfg.train.grad_accum * self.world
+        record: dict[str, Any] = {"step": self.step, "epoch": epoch}
+        record.update({k: float(v) for k, v in zip(keys, vals.tolist())})
+        record.update({"lr": self.scheduler.get_last_lr()[0], "time": elapsed / steps, "data_time": timer.data / steps,
+                       "samples_per_s": samples / max(elapsed, 1e-9), mem_key: mem, "skipped": self.skipped_steps})
+        eta = self.logger.eta_seconds()
+        if eta is None and self.step:
+            eta = (self.total_steps - self.step) * elapsed / steps
+        record["eta_s"] = round(eta or 0.0, 1)
+        self.logger.log_train(record)
+
+    # ---- evaluation ----------------------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, Any] | None:
+        self.model.eval()
+        try:
+            def forward(images: torch.Tensor) -> dict[str, torch.Tensor]:
+                with self.engine.forward_context():
+                    return self.model(images)
+
+            metrics = self.task.evaluate(forward, self.accelerator.device, self.rank, self.world,
+                                         self.engine.input_dtype)
+        finally:
+            self.model.train()
+        if metrics is not None:
+            self.logger.log_eval(self.step, metrics)
+        return metrics
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        t = self.cfg.train
+        tmp = ckpt.begin(self.out, self.step, self.is_main)
+        self.accelerator.wait_for_everyone()
+        self.engine.save(tmp)
+        full = self.engine.full_state_dict()  # collective (FSDP2 / ZeRO-3 gather)
+        _debug_crash("VTRAIN_DEBUG_CRASH_IN_SAVE", self.step)
+        if self.is_main:
+            save_file(full, str(tmp / "model.safetensors"))
+            torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(),
+                        "skipped_steps": self.skipped_steps, "consecutive_nonfinite": self.consecutive_nonfinite,
+                        "world_size": self.world, "engine": self.plan.kind}, tmp / "train_state.pt")
+            self.cfg.save(tmp / "config.yaml")
+        self.accelerator.wait_for_everyone()
+        final = ckpt.final_path(self.out, self.step)
+        if self.is_main:
+            final = ckpt.commit(self.out, self.step, t.keep_last)
+            self.logger.info(f"saved {final}")
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def _load(self, path: Path) -> None:
+        state = torch.load(path / "train_state.pt", weights_only=False)
+        if state["world_size"] != self.world:
+            raise VtrainError(f"--resume: {path} was saved by {state['world_size']} processes, this run has "
+                              f"{self.world}; resuming on a different world size is not supported yet")
+        if state["engine"] != self.plan.kind:
+            raise VtrainError(f"--resume: {path} was saved with {state['engine']}, this run uses {self.plan.kind}")
+        self.engine.load(path)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.skipped_steps = state["skipped_steps"]
+        self.consecutive_nonfinite = state["consecutive_nonfinite"]
+
+    def _write_run_info(self) -> None:
+        """What is really active on every rank (read from live objects), for users and tests."""
+        mine = {**self.active, "first_batch_indices": self._first_batch_indices}
+        infos = [None] * self.world
+        if self.world > 1:
+            dist.all_gather_object(infos, mine)
+        else:
+            infos = [mine]
+        if self.is_main:
+            info = {"engine": self.plan.kind, "zero_stage": self.plan.zero_stage, "world_size": self.world,
+                    "precision": self.plan.precision, "ds_precision_mode": self.plan.ds_precision_mode,
+                    "grad_accum": self.cfg.train.grad_accum, "global_batch": self.cfg.train.batch_size *
+                    self.cfg.train.grad_accum * self.world, "total_steps": self.total_steps,
+                    "resumed_from": str(self.resumed_from) if self.resumed_from else None, "ranks": infos}
+            tmp = self.out / "run_info.json.tmp"
+            tmp.write_text(json.dumps(info, indent=1))
+            os.replace(tmp, self.out / "run_info.json")

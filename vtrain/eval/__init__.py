@@ -1,0 +1,1 @@
+"""Evaluation metrics (pure functions) and their tables."""

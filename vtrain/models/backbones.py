@@ -1,0 +1,70 @@
+"""timm backbones built from presets, local pretrained weights, activation checkpointing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import timm
+import torch
+from torch import nn
+
+from vtrain.errors import VtrainError
+from vtrain.presets import METRIC_PRESETS
+
+
+def build_backbone(preset: str, image_size: int, drop_path: float | None = None) -> nn.Module:
+    """A timm model returning pooled features of size `backbone.num_features` (no classifier)."""
+    p = METRIC_PRESETS[preset]()
+    kwargs = dict(p.kwargs)
+    if p.takes_img_size:
+        kwargs["img_size"] = image_size
+    if drop_path is not None:
+        kwargs["drop_path_rate"] = drop_path
+    return timm.create_model(p.timm_name, pretrained=False, num_classes=0, **kwargs)
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Load a weights file (.safetensors, .pt/.pth/.bin) on CPU; unwrap common `{"model": ...}` containers."""
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            sd = load_file(str(path))
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt or foreign file: a user problem, not a crash
+        raise VtrainError(f"cannot read weights from {path}: {e}") from None
+    for key in ("state_dict", "model", "module"):
+        if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
+            sd = sd[key]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise VtrainError(f"{path} does not hold a state dict of tensors")
+    return sd
+
+
+def load_backbone_weights(backbone: nn.Module, sd: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Load timm-layout weights, adapting them with the model family's own `checkpoint_filter_fn`
+    (position-embedding resampling, original Swin/ViT key layouts). Returns (missing, unexpected)."""
+    filter_fn = getattr(sys.modules[type(backbone).__module__], "checkpoint_filter_fn", None)
+    if filter_fn is not None:
+        sd = filter_fn(sd, backbone)
+    own = backbone.state_dict()
+    # classifier weights of an ImageNet checkpoint have no place in a num_classes=0 backbone
+    dropped = [k for k in sd if k not in own]
+    sd = {k: v for k, v in sd.items() if k in own}
+    bad = [k for k, v in sd.items() if v.shape != own[k].shape]
+    if bad:
+        raise VtrainError(f"--pretrained: shape mismatch for {len(bad)} tensors, e.g. {bad[0]}: "
+                          f"{tuple(sd[bad[0]].shape)} vs model {tuple(own[bad[0]].shape)}")
+    result = backbone.load_state_dict(sd, strict=False)
+    return list(result.missing_keys), dropped
+
+
+def set_backbone_checkpointing(backbone: nn.Module, enable: bool = True) -> None:
+    """Per-block activation checkpointing through timm's contract (non-reentrant)."""
+    timm.layers.set_reentrant_ckpt(False)
+    if not hasattr(backbone, "set_grad_checkpointing"):
+        raise VtrainError(f"--grad-ckpt backbone: {type(backbone).__name__} does not support checkpointing")
+    backbone.set_grad_checkpointing(enable)

@@ -1,0 +1,88 @@
+"""Embedding model for metric learning: backbone -> 512-d neck -> margin-softmax head (ArcFace / CosFace)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vtrain.models.backbones import build_backbone
+
+
+class EmbeddingNeck(nn.Module):
+    """Linear projection to the embedding size followed by a per-feature norm (BatchNorm1d as in insightface)."""
+
+    def __init__(self, in_dim: int, dim: int, norm: str = "bn") -> None:
+        super().__init__()
+        self.proj = nn.Linear(in_dim, dim, bias=norm == "none")
+        self.norm: nn.Module = {"bn": lambda: nn.BatchNorm1d(dim), "ln": lambda: nn.LayerNorm(dim),
+                                "none": nn.Identity}[norm]()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x))
+
+
+class MarginHead(nn.Module):
+    """Normalised class centres with an additive angular (ArcFace) or cosine (CosFace) margin.
+
+    The logit and margin math always runs in fp32 with autocast disabled: cos/arccos near +-1 and the
+    scale s=64 overflow or lose all precision in fp16/bf16 (face.md §1.1: insightface keeps the FC path fp32).
+    """
+
+    def __init__(self, dim: int, num_classes: int, kind: str = "arcface", margin: float = 0.5,
+                 scale: float = 64.0) -> None:
+        super().__init__()
+        self.kind, self.margin, self.scale = kind, margin, scale
+        self.weight = nn.Parameter(torch.empty(num_classes, dim))
+        nn.init.normal_(self.weight, std=0.01)
+
+    def cosine(self, emb: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.normalize(emb.float(), dim=1), F.normalize(self.weight.float(), dim=1))
+
+    def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(device_type=emb.device.type, enabled=False):
+            cos = self.cosine(emb).clamp(-1.0, 1.0)
+            target = cos.gather(1, labels[:, None])
+            if self.kind == "arcface":
+                # cos(theta + m), with the standard fallback where theta + m > pi keeps the logit monotonic
+                sin = (1.0 - target * target).clamp_min(1e-7).sqrt()
+                with_margin = target * math.cos(self.margin) - sin * math.sin(self.margin)
+                th, mm = math.cos(math.pi - self.margin), math.sin(math.pi - self.margin) * self.margin
+                with_margin = torch.where(target > th, with_margin, target - mm)
+            else:
+                with_margin = target - self.margin
+            logits = cos.scatter(1, labels[:, None], with_margin) * self.scale
+            loss = F.cross_entropy(logits, labels)
+        return loss, cos.detach()
+
+
+class MetricModel(nn.Module):
+    """Backbone + neck + head; `embed` is the inference path, `forward` returns the loss dict."""
+
+    def __init__(self, preset: str, num_classes: int, image_size: int = 112, embedding_dim: int = 512,
+                 neck_norm: str = "bn", head: str = "arcface", margin: float = 0.5, scale: float = 64.0,
+                 drop_path: float | None = None) -> None:
+        super().__init__()
+        self.backbone = build_backbone(preset, image_size, drop_path)
+        self.neck = EmbeddingNeck(self.backbone.num_features, embedding_dim, neck_norm)
+        self.head = MarginHead(embedding_dim, num_classes, head, margin, scale)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        return self.neck(self.backbone(images))
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        # Inference goes through forward too (labels=None): sharded engines (FSDP2, ZeRO-3) gather parameters
+        # in the root module's forward hooks, which a direct call to `embed` would bypass.
+        emb = self.embed(images)
+        if labels is None:
+            return {"embedding": emb}
+        loss, cos = self.head(emb, labels)
+        acc = (cos.argmax(1) == labels).float().mean()
+        return {"loss": loss, "train_acc": acc}
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names (full, dotted) exempt from weight decay beyond norms and biases."""
+        inner = getattr(self.backbone, "no_weight_decay", lambda: set())()
+        return {f"backbone.{n}" for n in inner}
