@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
+	rm -rf runs/demo
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/vtrain train --task metric --model debug --data demo \
-		--output-dir runs/demo --max-steps 300 --batch-size 64 --lr 2e-3 --warmup-steps 30 \
-		--eval-every 100 --log-every 25 --save-every 150 --keep-last 1 --mixed-precision bf16
+		--output-dir runs/demo --max-steps 300 --batch-size 64 --head cosface --scale 32 --lr 3e-3 \
+		--weight-decay 0.05 --warmup-steps 20 --mixed-precision bf16 \
+		--log-every 25 --eval-every 150 --save-every 150 --keep-last 2
 	$(VENV)/bin/vtrain eval --checkpoint runs/demo --data demo
 
 test: $(STAMP)

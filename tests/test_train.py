@@ -36,8 +36,10 @@ def test_trains_logs_checkpoints_and_evaluates(faces, tmp_path):
     assert got["TAR@FAR=0.1"] == pytest.approx(evals[-1]["TAR@FAR=0.1"], abs=0.03)
 
 
-def test_crash_and_resume_matches_uninterrupted_run(faces, tmp_path):
-    args = ["--data", str(faces), "--max-steps", "8", "--save-every", "2", "--grad-accum", "2", *COMMON]
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_crash_and_resume_matches_uninterrupted_run(precision, faces, tmp_path):
+    args = ["--data", str(faces), "--max-steps", "8", "--save-every", "2", "--grad-accum", "2",
+            "--mixed-precision", precision, *COMMON]
     ok(vtrain("train", "--output-dir", str(tmp_path / "full"), *args))
     crashed = tmp_path / "crashed"
     proc = vtrain("train", "--output-dir", str(crashed), *args, extra_env={"VTRAIN_DEBUG_CRASH_AT_STEP": "6"})
@@ -54,6 +56,10 @@ def test_crash_and_resume_matches_uninterrupted_run(faces, tmp_path):
     resumed = {r["step"]: r["loss"] for r in metrics(crashed)}
     for step in (5, 6, 7, 8):
         assert resumed[step] == pytest.approx(full[step], abs=1e-5)
+    if precision == "fp16":  # dynamic loss scaling: the scaler state is checkpointed and restored
+        assert (complete_checkpoints(crashed)[-1] / "scaler.pt").is_file()
+        assert "overflow_skips" in metrics(crashed)[-1]
+        assert metrics(crashed)[-1]["overflow_skips"] == metrics(tmp_path / "full")[-1]["overflow_skips"]
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(faces, tmp_path):

@@ -150,12 +150,14 @@ class ParallelEngine:
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def step(self, clip_grad: float) -> float:
-        """Clip, update and zero gradients; returns the global gradient norm (before clipping)."""
+    def step(self, clip_grad: float) -> tuple[float, bool]:
+        """Clip, update and zero gradients. Returns the global gradient norm (before clipping) and whether the
+        update was applied (False when fp16 loss scaling found an overflow and skipped it)."""
         if self.plan.kind == "deepspeed":
             self.model.step()  # clipping from the filled gradient_clipping value
             norm = self.model.get_global_grad_norm()
-            return float(norm) if norm is not None else float("nan")
+            applied = bool(getattr(self.model, "was_step_applied", lambda: True)())
+            return (float(norm) if norm is not None else float("nan")), applied
         opt = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
@@ -163,13 +165,33 @@ class ParallelEngine:
         norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else math.inf)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
             norm = norm.full_tensor()
+        applied = True
         if self.scaler is not None:
+            scale = self.scaler.get_scale()
             self.scaler.step(opt)
             self.scaler.update()
+            applied = self.scaler.get_scale() >= scale  # the scale backs off exactly when the step was skipped
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(norm)
+        return float(norm), applied
+
+    def _stepping_optimizer(self) -> Any:
+        if self.plan.kind == "deepspeed":
+            return self.model.optimizer  # the ZeRO wrapper; its param_groups are the ones it steps with
+        return self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
+
+    def set_lrs(self, lrs: list[float]) -> None:
+        """Push the schedule's LRs into the optimizer that really steps. Under DeepSpeed that is not always the
+        object the scheduler was built on: after a ZeRO-3 checkpoint load the wrapper holds new param-group
+        dicts, and LRs written to the client optimizer never arrive (measured: a resumed ZeRO-3+offload run kept
+        the LR of its checkpoint step while the schedule moved on)."""
+        for group, lr in zip(self._stepping_optimizer().param_groups, lrs):
+            group["lr"] = lr
+
+    def current_lr(self) -> float:
+        """The LR the optimizer will use next, read from the optimizer that really steps (first group)."""
+        return float(self._stepping_optimizer().param_groups[0]["lr"])
 
     def zero_grad(self) -> None:
         """Drop the gradients of a skipped (non-finite) accumulation window."""
@@ -180,6 +202,21 @@ class ParallelEngine:
                 set_to_none=True)
 
     # ---- state --------------------------------------------------------------------------------------------
+    def sync_buffers(self) -> None:
+        """Average floating-point buffers (BatchNorm running stats) over ranks, in place. Collective.
+
+        DDP broadcasts rank 0's buffers every forward; FSDP2 and DeepSpeed leave each rank with statistics of
+        its own data, and their checkpoints keep one rank's copy (DCP even picks the writer rank per tensor for
+        load balance). Averaging before every save and evaluation gives one consistent model: what is saved
+        is what every rank continues with, so a resumed run matches an uninterrupted one."""
+        if self.plan.world_size == 1 or self.plan.kind not in ("fsdp", "deepspeed"):
+            return
+        module = self.model.module if self.plan.kind == "deepspeed" else self.model
+        for b in module.buffers():
+            if b.is_floating_point():
+                dist.all_reduce(b.data, op=dist.ReduceOp.SUM)
+                b.data.div_(self.plan.world_size)
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model in fp32 on CPU, on rank 0 (None elsewhere). Collective: call on every rank."""
         main = self.accelerator.is_main_process

@@ -51,8 +51,9 @@ class Trainer:
             cfg.save(self.out / "config.yaml")
         # 2. identical initial weights on every rank (FSDP2 shards from the full init; DDP would broadcast).
         set_seed(t.seed)
-        self.task = build_task(cfg)
-        dataset = self.task.train_dataset()
+        with self.accelerator.main_process_first():  # rank 0 writes the demo data once; the others then read it
+            self.task = build_task(cfg)
+            dataset = self.task.train_dataset()
         # 3. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
         model = self.task.build_model()
         self.pretrained_msg = self.task.load_pretrained(model) if cfg.model.pretrained else ""
@@ -79,6 +80,7 @@ class Trainer:
         # 7. resume (model, optimizer, RNG through the engine; step, schedule, counters here)
         self.step = 0
         self.skipped_steps = 0
+        self.overflow_skips = 0
         self.consecutive_nonfinite = 0
         self.resumed_from = ckpt.resolve_resume(t.resume, self.out)
         if self.resumed_from is not None:
@@ -142,8 +144,12 @@ class Trainer:
                 if v.ndim == 0 and finite:
                     sums[k] = sums.get(k, 0.0) + float(v.detach())
         if window_ok:
-            grad_norm = self.engine.step(self.cfg.optim.clip_grad)
-            self.scheduler.step()
+            grad_norm, applied = self.engine.step(self.cfg.optim.clip_grad)
+            if applied:  # the schedule follows real updates (an fp16 overflow skip does not advance it)
+                self.scheduler.step()
+                self.engine.set_lrs(self.scheduler.get_last_lr())
+            else:
+                self.overflow_skips += 1
             self.consecutive_nonfinite = 0
         else:
             self.engine.zero_grad()
@@ -201,7 +207,15 @@ class Trainer:
         if self.total_steps > 0:
             last_eval = self.evaluate()
         self.logger.close()
+        self.close()
         return last_eval
+
+    def close(self) -> None:
+        """Leave the process group cleanly: a gloo group torn down at interpreter exit can abort the process
+        ('terminate called without an active exception') after a successful run."""
+        self.accelerator.wait_for_everyone()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def _log(self, epoch: int, window: dict[str, float], timer: StepTimer) -> None:
         # mean over steps since the last log line, averaged over ranks (one all-reduce per log line)
@@ -216,8 +230,10 @@ class Trainer:
         samples = steps * self.cfg.train.batch_size * self.cfg.train.grad_accum * self.world
         record: dict[str, Any] = {"step": self.step, "epoch": epoch}
         record.update({k: float(v) for k, v in zip(keys, vals.tolist())})
-        record.update({"lr": self.scheduler.get_last_lr()[0], "time": elapsed / steps, "data_time": timer.data / steps,
+        record.update({"lr": self.engine.current_lr(), "time": elapsed / steps, "data_time": timer.data / steps,
                        "samples_per_s": samples / max(elapsed, 1e-9), mem_key: mem, "skipped": self.skipped_steps})
+        if self.engine.scaler is not None or self.plan.ds_precision_mode == "fp16":
+            record["overflow_skips"] = self.overflow_skips
         eta = self.logger.eta_seconds()
         if eta is None and self.step:
             eta = (self.total_steps - self.step) * elapsed / steps
@@ -226,6 +242,7 @@ class Trainer:
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any] | None:
+        self.engine.sync_buffers()
         self.model.eval()
         try:
             def forward(images: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -245,13 +262,15 @@ class Trainer:
         t = self.cfg.train
         tmp = ckpt.begin(self.out, self.step, self.is_main)
         self.accelerator.wait_for_everyone()
+        self.engine.sync_buffers()
         self.engine.save(tmp)
         full = self.engine.full_state_dict()  # collective (FSDP2 / ZeRO-3 gather)
         _debug_crash("VTRAIN_DEBUG_CRASH_IN_SAVE", self.step)
         if self.is_main:
             save_file(full, str(tmp / "model.safetensors"))
             torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(),
-                        "skipped_steps": self.skipped_steps, "consecutive_nonfinite": self.consecutive_nonfinite,
+                        "skipped_steps": self.skipped_steps, "overflow_skips": self.overflow_skips,
+                        "consecutive_nonfinite": self.consecutive_nonfinite,
                         "world_size": self.world, "engine": self.plan.kind}, tmp / "train_state.pt")
             self.cfg.save(tmp / "config.yaml")
         self.accelerator.wait_for_everyone()
@@ -271,8 +290,10 @@ class Trainer:
             raise VtrainError(f"--resume: {path} was saved with {state['engine']}, this run uses {self.plan.kind}")
         self.engine.load(path)
         self.scheduler.load_state_dict(state["scheduler"])
+        self.engine.set_lrs(self.scheduler.get_last_lr())  # LambdaLR.load_state_dict leaves the optimizer alone
         self.step = state["step"]
         self.skipped_steps = state["skipped_steps"]
+        self.overflow_skips = state.get("overflow_skips", 0)
         self.consecutive_nonfinite = state["consecutive_nonfinite"]
 
     def _write_run_info(self) -> None:
