@@ -66,9 +66,9 @@ def test_engine_trains_resumes_and_accumulates_correctly(engine, faces, tmp_path
     assert (rows[-1]["loss"] + rows[-2]["loss"]) < (rows[0]["loss"] + rows[1]["loss"]) - 0.5
 
     # 2. hard kill during step 5, resume from step_4: same weights as the uninterrupted run.
-    #    ZeRO-3 under torch_autocast gathers Linear weights in bf16 after each step but restores persistent
-    #    parameters from the fp32 masters on load, so its resumed run differs by bf16 rounding (loss ~3e-4
-    #    relative, measured); in fp32 it is exact, which is what is checked for it here.
+    #    Under bf16 torch_autocast a resumed ZeRO-3 run's first loss differs from the uninterrupted one by ~3e-4
+    #    relative (measured; DeepSpeed communicates Linear weights in bf16 in that mode, and the live copies
+    #    after a load are not the ones the running job had); in fp32 it is exact, which is what is checked here.
     if engine.startswith("zero3"):
         args += ["--mixed-precision", "no"]
         full = tmp_path / "full_fp32"
