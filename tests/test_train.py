@@ -34,6 +34,21 @@ def test_trains_logs_checkpoints_and_evaluates(faces, tmp_path):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["balanced_accuracy"] == pytest.approx(evals[-1]["balanced_accuracy"], abs=1e-3)
     assert got["TAR@FAR=0.1"] == pytest.approx(evals[-1]["TAR@FAR=0.1"], abs=0.03)
+    # a pairs file (paths relative to it): 1 genuine and 2 impostor pairs over the held-out identities
+    ids = sorted((faces / "val").iterdir())
+    pairs = tmp_path / "pairs.txt"
+    rel = lambda p: p.relative_to(faces)  # noqa: E731
+    pairs.write_text(f"# comment\n{rel(ids[0] / '000.jpg')} {rel(ids[0] / '001.jpg')} 1\n"
+                     f"{rel(ids[0] / '000.jpg')} {rel(ids[1] / '000.jpg')} 0\n"
+                     f"{rel(ids[2] / '002.jpg')} {rel(ids[3] / '003.jpg')} 0\n")
+    (tmp_path / "val").symlink_to(faces / "val")
+    proc = ok(vtrain("eval", "--checkpoint", str(run), "--data", str(faces), "--pairs", str(pairs), "--json"))
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["genuine_pairs"] == 1 and got["impostor_pairs"] == 2
+    assert got["TAR@FAR=0.1/resolvable"] is False  # 2 impostor pairs cannot measure FAR 0.1
+    pairs.write_text("a.jpg b.jpg yes\n")
+    proc = vtrain("eval", "--checkpoint", str(run), "--pairs", str(pairs))
+    assert proc.returncode == 2 and "expected 'path1 path2 0|1'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -46,6 +46,8 @@ def quiet_libraries() -> None:
 
 
 def build_accelerator(plan: Plan, grad_accum: int) -> Accelerator:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, instead of DeepSpeed warning that it guessed
     if plan.kind == "deepspeed" and "RANK" not in os.environ:
         # A plain `vtrain train --ds-config ...` (or `accelerate launch` with one process) sets no rendezvous;
         # DeepSpeed would then try MPI discovery and fail on "No module named 'mpi4py'".

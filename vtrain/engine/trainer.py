@@ -72,7 +72,7 @@ class Trainer:
             raise VtrainError(f"one epoch has {self.sampler.batches_per_epoch} micro-batches per process, fewer "
                               f"than --grad-accum {t.grad_accum}; lower it or set --max-steps")
         self.total_steps = t.max_steps or (t.epochs or 1) * per_epoch
-        # 6. one prepare (DDP wrap / DeepSpeed engine), then the scheduler on the optimizer DeepSpeed now drives
+        # 6. one prepare (DDP wrap / DeepSpeed engine); the scheduler computes LRs, engine.set_lrs applies them
         self.model, self.optimizer = self.engine.prepare(model, optimizer)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.active = self.engine.active()
@@ -143,6 +143,7 @@ class Trainer:
             for k, v in out.items():
                 if v.ndim == 0 and finite:
                     sums[k] = sums.get(k, 0.0) + float(v.detach())
+        lr = self.engine.current_lr()  # the LR this update uses, read from the optimizer that steps
         if window_ok:
             grad_norm, applied = self.engine.step(self.cfg.optim.clip_grad)
             if applied:  # the schedule follows real updates (an fp16 overflow skip does not advance it)
@@ -159,6 +160,7 @@ class Trainer:
         self.step += 1
         stats = {k: v / accum for k, v in sums.items()} if window_ok else {"loss": float("nan")}
         stats["grad_norm"] = grad_norm
+        stats["lr"] = lr
         stats["skipped"] = not window_ok
         return stats
 
@@ -230,7 +232,7 @@ class Trainer:
         samples = steps * self.cfg.train.batch_size * self.cfg.train.grad_accum * self.world
         record: dict[str, Any] = {"step": self.step, "epoch": epoch}
         record.update({k: float(v) for k, v in zip(keys, vals.tolist())})
-        record.update({"lr": self.engine.current_lr(), "time": elapsed / steps, "data_time": timer.data / steps,
+        record.update({"time": elapsed / steps, "data_time": timer.data / steps,
                        "samples_per_s": samples / max(elapsed, 1e-9), mem_key: mem, "skipped": self.skipped_steps})
         if self.engine.scaler is not None or self.plan.ds_precision_mode == "fp16":
             record["overflow_skips"] = self.overflow_skips
