@@ -44,13 +44,14 @@ def vtrain(*args: str, extra_env: dict[str, str] | None = None, timeout: int = 6
 
 
 def launch(nproc: int, *args: str, accelerate_config: str | None = None, extra_env: dict[str, str] | None = None,
-           timeout: int = 900) -> subprocess.CompletedProcess:
-    """`accelerate launch --num_processes N -m vtrain ARGS` (multi-process via torchrun; gloo on CPU)."""
+           timeout: int = 900, module: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch --num_processes N -m vtrain ARGS` (multi-process via torchrun; gloo on CPU);
+    with module=False, ARGS start with a script path instead."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if accelerate_config:
         cmd += ["--config_file", str(ROOT / "accelerate_configs" / accelerate_config)]
     cmd += ["--num_processes", str(nproc), "--num_machines", "1", "--main_process_port", str(_port()),
-            "-m", "vtrain", *args]
+            *(["-m", "vtrain"] if module else []), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env(**(extra_env or {})),
                           timeout=timeout)
 

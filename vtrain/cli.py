@@ -123,6 +123,49 @@ def evaluate(
         print(json.dumps({k: v for k, v in metrics.items() if k != "rows"}))
 
 
+@app.command("consolidate")
+def consolidate_cmd(
+    ckpt: Annotated[Path, typer.Argument(help="vtrain run/checkpoint dir, DeepSpeed checkpoint, Accelerate state")],
+    out: Annotated[Path, typer.Argument(help="Output file: .safetensors or .pt")],
+    dtype: Annotated[str, typer.Option(help="Output dtype: fp32 (default), bf16 or fp16")] = "fp32",
+    max_shard_size: Annotated[Optional[str], typer.Option(help="Split into shards + index, e.g. 5GB")] = None,
+    allow_nonfinite: Annotated[bool, typer.Option(help="Write even when tensors hold inf/NaN")] = False,
+    check_model: Annotated[bool, typer.Option(help="Load the result strictly into the model of config.yaml")] = False,
+    verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
+) -> None:
+    """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
+    import torch
+    from rich.table import Table
+
+    from vtrain.engine.consolidate import consolidate, parse_size
+    from vtrain.engine.logging import console
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in dtypes:
+        raise VtrainError(f"--dtype: choose one of {', '.join(dtypes)}")
+    report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model)
+    console.print(f"found: {report.source.description}", soft_wrap=True)
+    console.print(f"{report.tensors} tensors, {report.numel:,} elements", soft_wrap=True)
+    if verbose:
+        for note in report.source.notes:
+            console.print(f"  note: {note}", soft_wrap=True)
+        console.print(f"peak RSS {report.peak_rss_mb:.0f} MiB", soft_wrap=True)
+    if report.offenders:
+        t = Table(title="non-finite values")
+        for col in ("tensor", "dtype", "inf/NaN", "of", "buffer"):
+            t.add_column(col)
+        for o in report.offenders:
+            t.add_row(o.name, o.dtype, str(o.nonfinite), str(o.numel), "yes" if o.is_buffer else "")
+        console.print(t)
+        if not allow_nonfinite:
+            raise VtrainError(f"{len(report.offenders)} tensors hold inf/NaN; {out} was not written "
+                              "(--allow-nonfinite writes it anyway)")
+    else:
+        console.print("every tensor is finite")
+    for f in report.files:
+        console.print(f"wrote {f}", soft_wrap=True)
+
+
 @app.command()
 def presets() -> None:
     """List model presets with parameter counts (built on the meta device: instant, no memory)."""

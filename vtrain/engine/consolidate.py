@@ -1,0 +1,374 @@
+"""Offline consolidation of a checkpoint into one fp32 state dict, streamed tensor by tensor.
+
+Readers yield (name, tensor, is_buffer) from the checkpoint's own shards without building the whole model in RAM:
+DeepSpeed ZeRO-1/2/3 from the fp32 master partitions in `*_optim_states.pt` (loaded with mmap; the Adam moments
+are never touched), FSDP2 from DCP one tensor at a time, DDP/single from `model.safetensors`. Known gaps of the
+reference tools that are handled here (../shared/reference/memory_ckpt.md §3-4): frozen parameters of ZeRO-1
+(taken from the saved module), frozen parameters and buffers returned in their training dtype (reported),
+tied weights (written as separate copies so safetensors accepts them).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vtrain.engine import checkpoint as ckpt
+from vtrain.errors import VtrainError
+
+Item = tuple[str, torch.Tensor, bool]  # name, tensor, is_buffer
+
+
+@dataclass
+class Source:
+    kind: str  # deepspeed | fsdp-dcp | state-dict
+    path: Path
+    description: str
+    notes: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Tied weights: alias name -> name of the tensor it shares storage with."""
+
+
+def _ds_tag_dir(path: Path) -> Path | None:
+    """A DeepSpeed `save_checkpoint` dir (with `latest`) or one of its tag dirs."""
+    if glob.glob(str(path / "*_optim_states.pt")) or glob.glob(str(path / "*model_states.pt")):
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        tag = path / latest.read_text().strip()
+        if not tag.is_dir():
+            raise VtrainError(f"{path}: `latest` names {tag.name}, which does not exist")
+        return _ds_tag_dir(tag)
+    return None
+
+
+def detect(path: str | Path) -> Source:
+    """Find what kind of checkpoint `path` is (a vtrain run dir, a vtrain checkpoint, plain DeepSpeed, plain
+    Accelerate save_state, a DCP dir, or a state-dict file)."""
+    p = Path(path)
+    if not p.exists():
+        raise VtrainError(f"{path}: no such file or directory")
+    if p.is_file():
+        return Source("state-dict", p, f"state-dict file {p.name}")
+    if not any(p.iterdir()):
+        raise VtrainError(f"{path}: empty directory")
+    if not ckpt.is_checkpoint(p) and (p / "checkpoints").is_dir():
+        found = ckpt.complete_checkpoints(p)
+        if not found:
+            raise VtrainError(f"{path}: a run directory without any complete checkpoint")
+        return _in_vtrain_checkpoint(found[-1])
+    if p.name.startswith(".tmp-step_") or ((p / "train_state.pt").exists() and not (p / ckpt.COMPLETE).exists()):
+        raise VtrainError(f"{path}: a half-written checkpoint (no {ckpt.COMPLETE} marker); use an earlier one")
+    if ckpt.is_checkpoint(p):
+        return _in_vtrain_checkpoint(p)
+    return _plain(p, p)
+
+
+def _in_vtrain_checkpoint(p: Path) -> Source:
+    src = _plain(p / "fsdp", p) if (p / "fsdp").is_dir() else _plain(p / "accelerate", p)
+    src.description = f"vtrain checkpoint {p} ({src.description})"
+    return src
+
+
+def _plain(p: Path, shown: Path) -> Source:
+    tag = _ds_tag_dir(p) or next((t for d in sorted(p.iterdir()) if d.is_dir() and (t := _ds_tag_dir(d))), None)
+    if tag is not None:
+        return Source("deepspeed", tag, f"DeepSpeed checkpoint {tag}")
+    if (p / ".metadata").is_file():
+        return Source("fsdp-dcp", p, f"torch distributed checkpoint (FSDP) {p}")
+    dcp = sorted(p.glob("pytorch_model_fsdp_*"))
+    if dcp and (dcp[0] / ".metadata").is_file():
+        return Source("fsdp-dcp", dcp[0], f"Accelerate FSDP sharded state {dcp[0]}")
+    for name in ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp_0.bin", "model.pt"):
+        if (p / name).is_file():
+            return Source("state-dict", p / name, f"Accelerate save_state model {p / name}")
+    raise VtrainError(f"{shown}: no DeepSpeed, FSDP or model weights found (not a checkpoint?)")
+
+
+# ---- DeepSpeed ZeRO ---------------------------------------------------------------------------------------------
+
+def _natural(s: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def _read_deepspeed(tag: Path, notes: list[str], aliases: dict[str, str]) -> Iterator[Item]:
+    optim_files = sorted(glob.glob(str(tag / "*_optim_states.pt")), key=_natural)
+    model_files = sorted(glob.glob(str(tag / "*model_states.pt")), key=_natural)
+    if not optim_files or not model_files:
+        raise VtrainError(f"{tag}: missing *_optim_states.pt or *_model_states.pt files")
+    # mmap: only the slices we read come into memory; the Adam moments are never read
+    optims = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+              for f in optim_files]
+    stage = optims[0].get("zero_stage")
+    world = optims[0]["partition_count"]
+    world = max(world) if isinstance(world, list) else world
+    if world != len(optims):
+        raise VtrainError(f"{tag}: {len(optims)} optimizer shards but the checkpoint was written by {world} ranks "
+                          "(overwritten or incomplete checkpoint)")
+    ms = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=False)
+    stage = int(stage) if stage is not None else None
+    notes.append(f"ZeRO-{stage}, {world} ranks")
+    param_shapes: list[dict] = ms["param_shapes"]
+    module = ms.get("module") or {}
+    buffer_names = set(ms.get("buffer_names", []))
+    if stage in (1, 2):
+        groups = [[o["single_partition_of_fp32_groups"][g] for o in optims] for g in range(len(param_shapes))]
+        paddings = optims[0].get("param_alignment_paddings")
+        for g, shapes in enumerate(param_shapes):
+            parts = groups[g]
+            bounds = [0]
+            for t in parts:
+                bounds.append(bounds[-1] + t.numel())
+            offset = 0
+            for i, (name, shape) in enumerate(shapes.items()):
+                n = math.prod(shape)
+                yield name, _span(parts, bounds, offset, n).view(tuple(shape)), False
+                offset += n + (paddings[g][i] if paddings is not None else 0)
+    elif stage == 3:
+        flat = [o["fp32_flat_groups"] for o in optims]
+        group_sizes = [t.numel() for t in flat[0]]
+        shapes = {k: v for d in param_shapes for k, v in d.items()}
+        offset = 0  # offset of this parameter's partition inside each rank's concatenated flat groups
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            part = math.ceil(n / world)
+            pieces = [_slice_groups(flat[r], group_sizes, offset, part) for r in range(world)]
+            yield name, torch.cat(pieces)[:n].view(tuple(shape)).clone(), False
+            offset += part
+    else:
+        raise VtrainError(f"{tag}: unknown ZeRO stage {stage!r}")
+    # frozen parameters: fragments (ZeRO-2/3) or, for ZeRO-1, the saved full module (the reference tool drops them)
+    frozen = ms.get("frozen_param_shapes") or {}
+    if frozen:
+        if stage == 3:
+            states = [torch.load(f, map_location="cpu", mmap=True, weights_only=False) for f in model_files]
+            for name, shape in frozen.items():
+                t = torch.cat([s["frozen_param_fragments"][name].reshape(-1) for s in states])[: math.prod(shape)]
+                yield name, _noted(t.view(tuple(shape)), name, notes, "frozen parameter"), False
+        else:
+            for name, shape in frozen.items():
+                yield name, _noted(ms["frozen_param_fragments"][name].view(tuple(shape)), name, notes,
+                                   "frozen parameter"), False
+    elif stage == 1:
+        trainable = {k for d in param_shapes for k in d}
+        for name, t in module.items():
+            if name not in buffer_names and name not in trainable and name not in dict(ms.get("shared_params", {})):
+                yield name, _noted(t, name, notes, "frozen parameter (from the saved module)"), False
+    for name, t in module.items():
+        if name in buffer_names:
+            yield name, _noted(t, name, notes, "buffer"), True
+    aliases.update(ms.get("shared_params") or {})
+
+
+def _noted(t: torch.Tensor, name: str, notes: list[str], what: str) -> torch.Tensor:
+    if t.is_floating_point() and t.dtype != torch.float32:
+        notes.append(f"{what} {name} was saved in {str(t.dtype).replace('torch.', '')}: its values carry that "
+                     "precision")
+    return t
+
+
+def _span(parts: list[torch.Tensor], bounds: list[int], start: int, n: int) -> torch.Tensor:
+    """Elements [start, start+n) of the concatenation of `parts` (without concatenating them)."""
+    out = []
+    for t, lo, hi in zip(parts, bounds, bounds[1:]):
+        a, b = max(start, lo), min(start + n, hi)
+        if a < b:
+            out.append(t[a - lo : b - lo])
+    return torch.cat(out) if len(out) > 1 else out[0].clone()
+
+
+def _slice_groups(groups: list[torch.Tensor], sizes: list[int], start: int, n: int) -> torch.Tensor:
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    return _span(groups, bounds, start, n)
+
+
+# ---- FSDP (DCP) and plain state dicts --------------------------------------------------------------------------
+
+def _read_dcp(path: Path, notes: list[str], aliases: dict[str, str]) -> Iterator[Item]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    meta = reader.read_metadata()
+    keys = [k for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+    prefix = "model." if any(k.startswith("model.") for k in keys) else ""
+    for key in keys:
+        if prefix and not key.startswith(prefix):
+            continue  # optimizer states
+        m = meta.state_dict_metadata[key]
+        t = torch.empty(m.size, dtype=m.properties.dtype)
+        dcp.load({key: t}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        name = key[len(prefix):]
+        yield name, _noted(t, name, notes, "tensor"), _looks_like_buffer(name)
+
+
+def _looks_like_buffer(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _read_state_dict(path: Path, notes: list[str], aliases: dict[str, str]) -> Iterator[Item]:
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            for k in f.keys():
+                yield k, f.get_tensor(k), _looks_like_buffer(k)
+        return
+    from vtrain.models.backbones import read_state_dict
+
+    for k, v in read_state_dict(path).items():
+        yield k, v, _looks_like_buffer(k)
+
+
+def iter_tensors(src: Source) -> Iterator[Item]:
+    reader = {"deepspeed": _read_deepspeed, "fsdp-dcp": _read_dcp, "state-dict": _read_state_dict}[src.kind]
+    return reader(src.path, src.notes, src.aliases)
+
+
+# ---- writing ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Offender:
+    name: str
+    dtype: str
+    nonfinite: int
+    numel: int
+    is_buffer: bool
+
+
+@dataclass
+class Report:
+    source: Source
+    tensors: int = 0
+    numel: int = 0
+    offenders: list[Offender] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    peak_rss_mb: float = 0.0
+
+
+def _config_path(path: str | Path) -> Path | None:
+    p = Path(path)
+    for c in (p / "config.yaml", p.parent / "config.yaml", p.parent.parent / "config.yaml"):
+        if c.is_file():
+            return c
+    return None
+
+
+def _check_model(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Rebuild the model from the run's config.yaml (on the meta device) and load the result strictly."""
+    from vtrain.config import load_run_config
+    from vtrain.models.metric import MetricModel
+
+    cfg_path = _config_path(path)
+    if cfg_path is None:
+        raise VtrainError(f"--check-model: no config.yaml next to {path} (only vtrain checkpoints carry one)")
+    m = load_run_config(cfg_path).model
+    head = tensors.get("head.weight")
+    with torch.device("meta"):
+        model = MetricModel(m.preset, head.shape[0] if head is not None else 1, m.image_size, m.embedding_dim,
+                            m.neck_norm, m.head, m.margin, m.scale, m.drop_path)
+    try:
+        model.load_state_dict(tensors, strict=True, assign=True)
+    except RuntimeError as e:
+        first = " ".join(str(e).split())[:300]
+        raise VtrainError(f"--check-model: the consolidated weights do not fit the model in {cfg_path}: "
+                          f"{first}") from None
+
+
+def parse_size(text: str | None) -> int | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", text.upper())
+    if not m:
+        raise VtrainError(f"--max-shard-size: cannot read {text!r} (use e.g. 500MB, 5GB)")
+    return int(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)])
+
+
+def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,
+                max_shard_size: int | None = None, allow_nonfinite: bool = False,
+                check_model: bool = False) -> Report:
+    """Stream `path` into `out` (.safetensors or .pt, sharded above max_shard_size), scanning every tensor
+    for inf/NaN. Nothing is written when non-finite values are found (unless allowed) or the model check fails;
+    otherwise OUT is written atomically and appears only complete."""
+    out = Path(out)
+    if out.suffix not in (".safetensors", ".pt", ".bin"):
+        raise VtrainError(f"OUT must end in .safetensors or .pt, got {out.name}")
+    src = detect(path)
+    report = Report(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t, is_buffer in iter_tensors(src):
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                report.offenders.append(Offender(name, str(t.dtype).replace("torch.", ""), bad, t.numel(), is_buffer))
+            t = t.to(dtype)
+        tensors[name] = t.contiguous()
+        report.tensors += 1
+        report.numel += t.numel()
+    for alias, source in src.aliases.items():  # tied weights: a separate copy (safetensors refuses shared storage)
+        tensors[alias] = tensors[source].clone()
+        src.notes.append(f"tied weight {alias} written as a copy of {source}")
+    if check_model:
+        _check_model(path, tensors)
+    if report.offenders and not allow_nonfinite:
+        return report
+    report.files = _write(tensors, out, max_shard_size)
+    import resource
+
+    report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return report
+
+
+def _write(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: int | None) -> list[str]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_size and shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nbytes
+    if len(shards) == 1:
+        _atomic_save(shards[0], out)
+        return [str(out)]
+    stem, ext = out.name[: -len(out.suffix)], out.suffix
+    names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        _atomic_save(shard, out.parent / name)
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    tmp = out.parent / f".{out.name}.index.json.tmp"
+    tmp.write_text(json.dumps(index, indent=2))
+    os.replace(tmp, out.parent / f"{out.name}.index.json")
+    return [str(out.parent / n) for n in names] + [str(out.parent / f"{out.name}.index.json")]
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.parent / f".{path.name}.tmp"
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        else:
+            torch.save(tensors, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
