@@ -73,6 +73,10 @@ def build_accelerator(plan: Plan, grad_accum: int) -> Accelerator:
     # Precision is applied by vtrain (autocast here, torch_autocast inside DeepSpeed), so Accelerate gets "no".
     accelerator = Accelerator(mixed_precision="no", deepspeed_plugin=ds_plugin, kwargs_handlers=handlers,
                               cpu=cpu_flag, gradient_accumulation_steps=grad_accum)
+    if plan.kind == "fsdp" and not dist.is_initialized():
+        # fully_shard needs a process group even for one process (Accelerate creates none for a single one)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1,
+                                init_method=f"tcp://127.0.0.1:{_free_port()}")
     quiet_libraries()
     return accelerator
 

@@ -79,9 +79,11 @@ class Trainer:
         self.engine.verify(self.active)
         # 7. resume (model, optimizer, RNG through the engine; step, schedule, counters here)
         self.step = 0
+        self.consumed_samples = 0
         self.skipped_steps = 0
         self.overflow_skips = 0
         self.consecutive_nonfinite = 0
+        self.logger_notes: list[str] = []
         self.resumed_from = ckpt.resolve_resume(t.resume, self.out)
         if self.resumed_from is not None:
             self._load(self.resumed_from)
@@ -104,10 +106,12 @@ class Trainer:
 
     # ---- data position -----------------------------------------------------------------------------------------
     def _micro_batches(self):
-        """Infinite stream of micro-batches starting at the position implied by self.step."""
-        consumed = self.step * self.cfg.train.grad_accum
+        """Infinite stream of micro-batches starting at the data position: `consumed_samples` counts global
+        samples, so a run resumed with another number of processes continues at the same place (exactly so
+        when it keeps the global batch, since ranks take interleaved slices of one permutation per epoch)."""
+        per_micro = self.cfg.train.batch_size * self.world
         bpe = self.sampler.batches_per_epoch
-        epoch, offset = divmod(consumed, bpe)
+        epoch, offset = divmod(self.consumed_samples // per_micro, bpe)
         while True:
             self.sampler.set_position(epoch, offset)
             loader = DataLoader(self.dataset, batch_size=self.cfg.train.batch_size, sampler=self.sampler,
@@ -158,6 +162,7 @@ class Trainer:
             self.skipped_steps += 1
             self.consecutive_nonfinite += 1
         self.step += 1
+        self.consumed_samples += accum * self.cfg.train.batch_size * self.world
         stats = {k: v / accum for k, v in sums.items()} if window_ok else {"loss": float("nan")}
         stats["grad_norm"] = grad_norm
         stats["lr"] = lr
@@ -172,6 +177,8 @@ class Trainer:
             self.logger.info(self.pretrained_msg)
         if self.resumed_from is not None:
             self.logger.info(f"resumed from {self.resumed_from} at step {self.step}")
+        for note in self.logger_notes:
+            self.logger.info(note)
         stream = self._micro_batches()
         timer = StepTimer()
         window: dict[str, float] = {}
@@ -270,7 +277,8 @@ class Trainer:
         _debug_crash("VTRAIN_DEBUG_CRASH_IN_SAVE", self.step)
         if self.is_main:
             save_file(full, str(tmp / "model.safetensors"))
-            torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(),
+            torch.save({"step": self.step, "consumed_samples": self.consumed_samples,
+                        "scheduler": self.scheduler.state_dict(),
                         "skipped_steps": self.skipped_steps, "overflow_skips": self.overflow_skips,
                         "consecutive_nonfinite": self.consecutive_nonfinite,
                         "world_size": self.world, "engine": self.plan.kind}, tmp / "train_state.pt")
@@ -285,15 +293,22 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         state = torch.load(path / "train_state.pt", weights_only=False)
-        if state["world_size"] != self.world:
-            raise VtrainError(f"--resume: {path} was saved by {state['world_size']} processes, this run has "
-                              f"{self.world}; resuming on a different world size is not supported yet")
-        if state["engine"] != self.plan.kind:
+        saved_kind = "ddp" if state["engine"] == "single" else state["engine"]  # one process is DDP of one
+        kind = "ddp" if self.plan.kind == "single" else self.plan.kind
+        if saved_kind != kind:
             raise VtrainError(f"--resume: {path} was saved with {state['engine']}, this run uses {self.plan.kind}")
+        if state["world_size"] != self.world and kind == "deepspeed":
+            # DeepSpeed's own loader refuses another DP world size; its universal-checkpoint route does not
+            # restore BatchNorm buffers or frozen parameters (memory_ckpt.md §3-4).
+            raise VtrainError(f"--resume: {path} was saved by {state['world_size']} DeepSpeed processes, this run "
+                              f"has {self.world}; resuming ZeRO on another world size is not supported yet")
         self.engine.load(path)
         self.scheduler.load_state_dict(state["scheduler"])
         self.engine.set_lrs(self.scheduler.get_last_lr())  # LambdaLR.load_state_dict leaves the optimizer alone
         self.step = state["step"]
+        self.consumed_samples = state["consumed_samples"]
+        if state["world_size"] != self.world:
+            self.logger_notes.append(f"resharded: saved by {state['world_size']} processes, resumed on {self.world}")
         self.skipped_steps = state["skipped_steps"]
         self.overflow_skips = state.get("overflow_skips", 0)
         self.consecutive_nonfinite = state["consecutive_nonfinite"]
