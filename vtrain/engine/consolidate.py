@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,7 @@ def _read_deepspeed(tag: Path, notes: list[str], aliases: dict[str, str]) -> Ite
     ms = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=False)
     stage = int(stage) if stage is not None else None
     notes.append(f"ZeRO-{stage}, {world} ranks")
+    aliases.update(ms.get("shared_params") or {})  # before yielding: the writer keeps the tied sources
     param_shapes: list[dict] = ms["param_shapes"]
     module = ms.get("module") or {}
     buffer_names = set(ms.get("buffer_names", []))
@@ -141,7 +143,7 @@ def _read_deepspeed(tag: Path, notes: list[str], aliases: dict[str, str]) -> Ite
             n = math.prod(shape)
             part = math.ceil(n / world)
             pieces = [_slice_groups(flat[r], group_sizes, offset, part) for r in range(world)]
-            yield name, torch.cat(pieces)[:n].view(tuple(shape)).clone(), False
+            yield name, torch.cat(pieces)[:n].view(tuple(shape)), False
             offset += part
     else:
         raise VtrainError(f"{tag}: unknown ZeRO stage {stage!r}")
@@ -165,7 +167,6 @@ def _read_deepspeed(tag: Path, notes: list[str], aliases: dict[str, str]) -> Ite
     for name, t in module.items():
         if name in buffer_names:
             yield name, _noted(t, name, notes, "buffer"), True
-    aliases.update(ms.get("shared_params") or {})
 
 
 def _noted(t: torch.Tensor, name: str, notes: list[str], what: str) -> torch.Tensor:
@@ -264,8 +265,9 @@ def _config_path(path: str | Path) -> Path | None:
     return None
 
 
-def _check_model(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Rebuild the model from the run's config.yaml (on the meta device) and load the result strictly."""
+def _check_model(path: str | Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Rebuild the model from the run's config.yaml on the meta device and check, as load_state_dict(strict=True)
+    does, that names and shapes match exactly (no data needed)."""
     from vtrain.config import load_run_config
     from vtrain.models.metric import MetricModel
 
@@ -273,16 +275,18 @@ def _check_model(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     if cfg_path is None:
         raise VtrainError(f"--check-model: no config.yaml next to {path} (only vtrain checkpoints carry one)")
     m = load_run_config(cfg_path).model
-    head = tensors.get("head.weight")
+    head = shapes.get("head.weight")
     with torch.device("meta"):
-        model = MetricModel(m.preset, head.shape[0] if head is not None else 1, m.image_size, m.embedding_dim,
+        model = MetricModel(m.preset, head[0][0] if head is not None else 1, m.image_size, m.embedding_dim,
                             m.neck_norm, m.head, m.margin, m.scale, m.drop_path)
-    try:
-        model.load_state_dict(tensors, strict=True, assign=True)
-    except RuntimeError as e:
-        first = " ".join(str(e).split())[:300]
-        raise VtrainError(f"--check-model: the consolidated weights do not fit the model in {cfg_path}: "
-                          f"{first}") from None
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(want) - set(shapes))
+    unexpected = sorted(set(shapes) - set(want))
+    wrong = sorted(k for k in set(want) & set(shapes) if want[k] != shapes[k][0])
+    if missing or unexpected or wrong:
+        detail = "; ".join(f"{label} {len(keys)}: {', '.join(keys[:3])}" for label, keys in
+                           (("missing", missing), ("unexpected", unexpected), ("shape mismatch", wrong)) if keys)
+        raise VtrainError(f"--check-model: the consolidated weights do not fit the model in {cfg_path}: {detail}")
 
 
 def parse_size(text: str | None) -> int | None:
@@ -298,77 +302,137 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
                 max_shard_size: int | None = None, allow_nonfinite: bool = False,
                 check_model: bool = False) -> Report:
     """Stream `path` into `out` (.safetensors or .pt, sharded above max_shard_size), scanning every tensor
-    for inf/NaN. Nothing is written when non-finite values are found (unless allowed) or the model check fails;
-    otherwise OUT is written atomically and appears only complete."""
+    for inf/NaN. safetensors output is written tensor by tensor as each is completed (RAM holds one tensor plus
+    the reader's memory-mapped pages; `.pt` output needs the whole dict once). Nothing appears at OUT when
+    non-finite values are found (unless allowed) or the model check fails; otherwise OUT appears complete."""
     out = Path(out)
     if out.suffix not in (".safetensors", ".pt", ".bin"):
         raise VtrainError(f"OUT must end in .safetensors or .pt, got {out.name}")
     src = detect(path)
     report = Report(src)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t, is_buffer in iter_tensors(src):
-        if t.is_floating_point():
-            bad = int((~torch.isfinite(t)).sum())
-            if bad:
-                report.offenders.append(Offender(name, str(t.dtype).replace("torch.", ""), bad, t.numel(), is_buffer))
-            t = t.to(dtype)
-        tensors[name] = t.contiguous()
-        report.tensors += 1
-        report.numel += t.numel()
-    for alias, source in src.aliases.items():  # tied weights: a separate copy (safetensors refuses shared storage)
-        tensors[alias] = tensors[source].clone()
-        src.notes.append(f"tied weight {alias} written as a copy of {source}")
-    if check_model:
-        _check_model(path, tensors)
-    if report.offenders and not allow_nonfinite:
-        return report
-    report.files = _write(tensors, out, max_shard_size)
+    writer = _ShardWriter(out, max_shard_size)
+    try:
+        kept: dict[str, torch.Tensor] = {}
+        for name, t, is_buffer in iter_tensors(src):
+            if t.is_floating_point():
+                bad = int((~torch.isfinite(t)).sum())
+                if bad:
+                    report.offenders.append(Offender(name, str(t.dtype).replace("torch.", ""), bad, t.numel(),
+                                                     is_buffer))
+                t = t.to(dtype)
+            writer.add(name, t)
+            if name in src.aliases.values():
+                kept[name] = t
+            report.tensors += 1
+            report.numel += t.numel()
+        for alias, source in src.aliases.items():  # tied weights: a copy (safetensors refuses shared storage)
+            writer.add(alias, kept[source])
+            src.notes.append(f"tied weight {alias} written as a copy of {source}")
+        if check_model:
+            _check_model(path, writer.shapes)
+        if report.offenders and not allow_nonfinite:
+            return report
+        report.files = writer.commit()
+    finally:
+        writer.cleanup()
     import resource
 
     report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return report
 
 
-def _write(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: int | None) -> list[str]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, t in tensors.items():
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+class _ShardWriter:
+    """Writes tensors as they arrive into per-shard temp data files; `commit` prepends each safetensors header
+    (8-byte length, JSON with dtype/shape/offsets; the documented layout) by streaming the data file behind it,
+    writes the 🤗-style index for several shards, and renames everything into place. `safetensors.torch.save_file`
+    would need the whole dict and serialises it to Python bytes first (a second full copy in RAM)."""
+
+    def __init__(self, out: Path, max_shard_size: int | None) -> None:
+        self.out, self.max = out, max_shard_size
+        self.safetensors = out.suffix == ".safetensors"
+        self.shards: list[dict] = []  # {"data": tmp path, "header": {...}, "size": bytes, "tensors": {...}}
+        self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._file = None
+
+    def _new_shard(self) -> dict:
+        if self._file is not None:
+            self._file.close()
+        shard = {"data": self.out.parent / f".{self.out.name}.{len(self.shards)}.data.tmp", "header": {},
+                 "size": 0, "tensors": {}}
+        self.shards.append(shard)
+        if self.safetensors:
+            self._file = open(shard["data"], "wb")
+        return shard
+
+    def add(self, name: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
-        if max_shard_size and shards[-1] and size + nbytes > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t
-        size += nbytes
-    if len(shards) == 1:
-        _atomic_save(shards[0], out)
-        return [str(out)]
-    stem, ext = out.name[: -len(out.suffix)], out.suffix
-    names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        _atomic_save(shard, out.parent / name)
-        weight_map.update({k: name for k in shard})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": weight_map}
-    tmp = out.parent / f".{out.name}.index.json.tmp"
-    tmp.write_text(json.dumps(index, indent=2))
-    os.replace(tmp, out.parent / f"{out.name}.index.json")
-    return [str(out.parent / n) for n in names] + [str(out.parent / f"{out.name}.index.json")]
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.parent / f".{path.name}.tmp"
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        shard = self.shards[-1] if self.shards else self._new_shard()
+        if self.max and shard["size"] and shard["size"] + nbytes > self.max:
+            shard = self._new_shard()
+        self.shapes[name] = (tuple(t.shape), t.dtype)
+        if self.safetensors:
+            shard["header"][name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                                     "data_offsets": [shard["size"], shard["size"] + nbytes]}
+            if nbytes:
+                self._file.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         else:
-            torch.save(tensors, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+            shard["tensors"][name] = t.contiguous()
+        shard["size"] += nbytes
+
+    def _names(self) -> list[Path]:
+        if len(self.shards) <= 1:
+            return [self.out]
+        stem, ext, n = self.out.name[: -len(self.out.suffix)], self.out.suffix, len(self.shards)
+        return [self.out.parent / f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
+
+    def commit(self) -> list[str]:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if not self.shards:
+            self._new_shard()
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+        finals = self._names()
+        tmps = [f.parent / f".{f.name}.tmp" for f in finals]
+        for shard, tmp in zip(self.shards, tmps):
+            if self.safetensors:
+                raw = json.dumps({"__metadata__": {"format": "pt"}, **shard["header"]}, separators=(",", ":")).encode()
+                raw += b" " * (-len(raw) % 8)
+                with open(tmp, "wb") as f, open(shard["data"], "rb") as data:
+                    f.write(len(raw).to_bytes(8, "little"))
+                    f.write(raw)
+                    shutil.copyfileobj(data, f, 16 * 2**20)
+                    f.flush()
+                    os.fsync(f.fileno())
+            else:
+                torch.save(shard["tensors"], tmp)
+        written = []
+        for tmp, final in zip(tmps, finals):
+            os.replace(tmp, final)
+            written.append(str(final))
+        if len(finals) > 1:
+            index = {"metadata": {"total_size": sum(s["size"] for s in self.shards)},
+                     "weight_map": {k: final.name for s, final in zip(self.shards, finals)
+                                    for k in (s["header"] or s["tensors"])}}
+            idx = self.out.parent / f"{self.out.name}.index.json"
+            tmp = idx.parent / f".{idx.name}.tmp"
+            tmp.write_text(json.dumps(index, indent=2))
+            os.replace(tmp, idx)
+            written.append(str(idx))
+        return written
+
+    def cleanup(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        for s in self.shards:
+            s["data"].unlink(missing_ok=True)
+        for f in self._names():
+            (f.parent / f".{f.name}.tmp").unlink(missing_ok=True)
