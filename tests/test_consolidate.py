@@ -111,6 +111,12 @@ def test_plain_deepspeed_with_frozen_tied_and_batchnorm(stage, tmp_path):
     assert got.keys() == truth.keys()  # frozen.weight/bias and the tied out.weight included
     for k in truth:
         assert torch.equal(got[k], truth[k]), k
+    # a checkpoint that lost one rank's shard is refused, OUT untouched
+    tag = out / (out / "latest").read_text().strip()
+    next(tag.glob("*rank_1*optim_states.pt")).unlink()
+    proc = vtrain("consolidate", str(out), str(tmp_path / "m.safetensors"))
+    _error(proc, "1 optimizer shards but the checkpoint was written by 2 ranks")
+    assert torch.equal(load_file(str(tmp_path / "m.safetensors"))["emb.weight"], truth["emb.weight"])
     # running_var held values above the fp16 maximum (65504): kept finite and fp32
     assert got["bn.running_var"].dtype == torch.float32 and torch.isfinite(got["bn.running_var"]).all()
     assert got["bn.running_var"].max() > 65504
