@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from vtrain.config import OptimConfig
 from vtrain.data.sampler import ShardedEpochSampler

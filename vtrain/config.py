@@ -50,7 +50,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         from vtrain.presets import METRIC_PRESETS
 
-        _check(self.preset in METRIC_PRESETS or self.preset in _dino_presets(), "--model",
+        _check(self.preset in METRIC_PRESETS, "--model",
                f"unknown preset {self.preset!r}; choose one of: {', '.join(METRIC_PRESETS)}")
         _check(self.image_size >= 32 and self.image_size % 16 == 0, "--image-size",
                f"must be a multiple of 16 and >= 32, got {self.image_size}")
@@ -66,10 +66,6 @@ class ModelConfig:
             self.grad_ckpt = [p for p in self.grad_ckpt.split(",") if p]
         if self.pretrained is not None:
             _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
-
-
-def _dino_presets() -> tuple[str, ...]:
-    return ()
 
 
 @dataclass
@@ -207,7 +203,6 @@ class RunConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-SECTIONS = {f.name: f.type for f in fields(RunConfig) if f.name != "task"}
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
                     "parallel": ParallelConfig, "train": TrainConfig}
 

@@ -47,6 +47,15 @@ def is_checkpoint(path: Path) -> bool:
     return (path / COMPLETE).is_file() and (path / "train_state.pt").is_file()
 
 
+def find(path: str | Path) -> Path | None:
+    """`path` itself when it is a complete checkpoint, else the newest complete one of a run dir under it."""
+    p = Path(path)
+    if is_checkpoint(p):
+        return p
+    found = complete_checkpoints(p)
+    return found[-1] if found else None
+
+
 def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     """`auto`: newest complete checkpoint in output_dir (None when there is none); a path: that checkpoint,
     or the newest one of a run directory."""
@@ -55,12 +64,9 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     if resume == "auto":
         found = complete_checkpoints(output_dir)
         return found[-1] if found else None
-    p = Path(resume)
-    if is_checkpoint(p):
-        return p
-    found = complete_checkpoints(p)
-    if found:
-        return found[-1]
+    found = find(resume)
+    if found is not None:
+        return found
     raise VtrainError(f"--resume: {resume} is not a complete vtrain checkpoint (no {COMPLETE} marker) "
                       "and holds no checkpoints/step_<N>")
 

@@ -62,10 +62,10 @@ def detect(path: str | Path) -> Source:
     if not any(p.iterdir()):
         raise VtrainError(f"{path}: empty directory")
     if not ckpt.is_checkpoint(p) and (p / "checkpoints").is_dir():
-        found = ckpt.complete_checkpoints(p)
-        if not found:
+        found = ckpt.find(p)
+        if found is None:
             raise VtrainError(f"{path}: a run directory without any complete checkpoint")
-        return _in_vtrain_checkpoint(found[-1])
+        return _in_vtrain_checkpoint(found)
     if p.name.startswith(".tmp-step_") or ((p / "train_state.pt").exists() and not (p / ckpt.COMPLETE).exists()):
         raise VtrainError(f"{path}: a half-written checkpoint (no {ckpt.COMPLETE} marker); use an earlier one")
     if ckpt.is_checkpoint(p):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,6 @@ class Plan:
     ds_precision_mode: str = ""  # torch_autocast | bf16 | fp16 | fp32 (DeepSpeed only)
     fsdp_offload: bool = False
     fsdp_reshard_after_forward: bool = True
-    notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         if self.kind == "deepspeed":

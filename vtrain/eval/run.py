@@ -16,9 +16,7 @@ from vtrain.tasks import build_task
 
 def evaluate_checkpoint(checkpoint: Path, data: str | None, val_data: str | None, pairs: str | None,
                         batch_size: int) -> dict[str, Any]:
-    checkpoint = Path(checkpoint)
-    found = ckpt.complete_checkpoints(checkpoint)
-    path = checkpoint if ckpt.is_checkpoint(checkpoint) else (found[-1] if found else None)
+    path = ckpt.find(checkpoint)
     if path is None:
         raise VtrainError(f"--checkpoint: {checkpoint} is neither a complete checkpoint nor a run directory with one")
     weights = path / "model.safetensors"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -127,6 +126,3 @@ class _Images(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         return load_image(self.paths[self.order[i]], self.size)
 
-
-def checkpoint_model_file(path: Path) -> Path:
-    return path / "model.safetensors"
