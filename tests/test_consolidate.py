@@ -120,3 +120,20 @@ def test_plain_deepspeed_with_frozen_tied_and_batchnorm(stage, tmp_path):
     # running_var held values above the fp16 maximum (65504): kept finite and fp32
     assert got["bn.running_var"].dtype == torch.float32 and torch.isfinite(got["bn.running_var"]).all()
     assert got["bn.running_var"].max() > 65504
+
+
+def test_resume_weights_only_starts_a_new_run_from_a_consolidated_file(run, faces, tmp_path):
+    cons = tmp_path / "m.safetensors"
+    ok(vtrain("consolidate", str(run), str(cons)))
+    new = tmp_path / "new"
+    proc = ok(vtrain("train", "--data", str(faces), "--output-dir", str(new), "--max-steps", "1", "--batch-size", "4",
+                     "--num-workers", "0", "--embedding-dim", "32", "--lr", "1e-12", "--resume-weights-only",
+                     str(cons)))
+    assert "weights loaded from" in proc.stdout
+    want, got = load_file(str(cons)), load_file(str(complete_checkpoints(new)[-1] / "model.safetensors"))
+    for k in want:
+        if not k.startswith("neck.norm.running") and k != "neck.norm.num_batches_tracked":  # BN stats move
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
+    proc = vtrain("train", "--data", str(faces), "--output-dir", str(tmp_path / "bad"), "--max-steps", "1",
+                  "--embedding-dim", "64", "--resume-weights-only", str(cons))
+    _error(proc, "--resume-weights-only", "does not fit this model")

@@ -37,7 +37,8 @@ def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
         "data": ("path", "num_workers", "val_path", "pairs_file"),
         "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad"),
         "parallel": ("mixed_precision", "ds_config", "fsdp"),
-        "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "save_every",
+        "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
+                  "save_every",
                   "keep_last", "eval_every", "log_every", "seed", "max_nonfinite"),
     }
     out: dict[str, dict[str, Any]] = {s: {} for s in sections}
@@ -72,6 +73,8 @@ def train(
     ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (ZeRO stage, offload)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="Shard with FSDP2")] = None,
     resume: Annotated[Optional[str], typer.Option(help="auto or a checkpoint directory")] = None,
+    resume_weights_only: Annotated[Optional[str], typer.Option(
+        help="Start fresh (optimizer, schedule, step 0) from a consolidated weights file")] = None,
     save_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps")] = None,
     keep_last: Annotated[Optional[int], typer.Option(help="Keep the last K checkpoints")] = None,
     eval_every: Annotated[Optional[int], typer.Option(help="Evaluate every N steps (0: at the end)")] = None,

@@ -154,6 +154,8 @@ class TrainConfig:
     grad_accum: int = 1
     resume: str | None = None
     """`auto` (newest complete checkpoint in <output-dir>, if any) or a checkpoint directory."""
+    resume_weights_only: str | None = None
+    """Start a new run (fresh optimizer, schedule, step 0) from a consolidated weights file, loaded strictly."""
     save_every: int = 500
     keep_last: int = 3
     eval_every: int = 0
@@ -175,6 +177,9 @@ class TrainConfig:
         _check(self.max_nonfinite > 0, "--max-nonfinite", "must be > 0")
         if self.resume is not None and self.resume != "auto":
             _check(Path(self.resume).is_dir(), "--resume", f"not a checkpoint directory: {self.resume}")
+        if self.resume_weights_only is not None:
+            _check(Path(self.resume_weights_only).is_file(), "--resume-weights-only",
+                   f"file not found: {self.resume_weights_only}")
 
 
 @dataclass
@@ -261,6 +266,7 @@ def load_run_config(path: str | Path) -> RunConfig:
     task = data.pop("task", "metric")
     data.get("model", {}).pop("pretrained", None)  # weights come from the checkpoint
     data.get("train", {}).pop("resume", None)
+    data.get("train", {}).pop("resume_weights_only", None)
     data.get("parallel", {}).pop("ds_config", None)
     data.pop("data", None)
     return build_config(task, data)

@@ -30,6 +30,18 @@ from vtrain.errors import VtrainError
 from vtrain.tasks import build_task
 
 
+def load_weights_strict(model: torch.nn.Module, path: str) -> str:
+    """--resume-weights-only: every tensor of the model from a consolidated file (.safetensors/.pt), strictly."""
+    from vtrain.models.backbones import read_state_dict
+
+    try:
+        model.load_state_dict(read_state_dict(path), strict=True)
+    except RuntimeError as e:
+        first = " ".join(str(e).split())[:300]
+        raise VtrainError(f"--resume-weights-only: {path} does not fit this model: {first}") from None
+    return f"weights loaded from {path} (fresh optimizer and schedule)"
+
+
 def _debug_crash(var: str, step: int) -> None:
     """Fault injection for the resume tests: a hard kill (no cleanup, no exception handlers) at a given step."""
     if os.environ.get(var) == str(step):
@@ -57,6 +69,8 @@ class Trainer:
         # 3. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
         model = self.task.build_model()
         self.pretrained_msg = self.task.load_pretrained(model) if cfg.model.pretrained else ""
+        if t.resume_weights_only:
+            self.pretrained_msg = load_weights_strict(model, t.resume_weights_only)
         self.engine = ParallelEngine(self.plan, self.accelerator)
         model = self.engine.shard(model)
         # 4. parameter groups and optimizer (after FSDP2: they must see the DTensor parameters)
