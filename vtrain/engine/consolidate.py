@@ -162,7 +162,7 @@ def _read_deepspeed(tag: Path, notes: list[str], aliases: dict[str, str]) -> Ite
     elif stage == 1:
         trainable = {k for d in param_shapes for k in d}
         for name, t in module.items():
-            if name not in buffer_names and name not in trainable and name not in dict(ms.get("shared_params", {})):
+            if name not in buffer_names and name not in trainable and name not in aliases:
                 yield name, _noted(t, name, notes, "frozen parameter (from the saved module)"), False
     for name, t in module.items():
         if name in buffer_names:
