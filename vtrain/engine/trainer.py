@@ -27,19 +27,8 @@ from vtrain.engine.optim import build_optimizer, build_scheduler
 from vtrain.engine.parallel import ParallelEngine, build_accelerator
 from vtrain.engine.plan import resolve_plan
 from vtrain.errors import VtrainError
+from vtrain.models.backbones import load_strict, read_state_dict
 from vtrain.tasks import build_task
-
-
-def load_weights_strict(model: torch.nn.Module, path: str) -> str:
-    """--resume-weights-only: every tensor of the model from a consolidated file (.safetensors/.pt), strictly."""
-    from vtrain.models.backbones import read_state_dict
-
-    try:
-        model.load_state_dict(read_state_dict(path), strict=True)
-    except RuntimeError as e:
-        first = " ".join(str(e).split())[:300]
-        raise VtrainError(f"--resume-weights-only: {path} does not fit this model: {first}") from None
-    return f"weights loaded from {path} (fresh optimizer and schedule)"
 
 
 def _debug_crash(var: str, step: int) -> None:
@@ -70,7 +59,9 @@ class Trainer:
         model = self.task.build_model()
         self.pretrained_msg = self.task.load_pretrained(model) if cfg.model.pretrained else ""
         if t.resume_weights_only:
-            self.pretrained_msg = load_weights_strict(model, t.resume_weights_only)
+            load_strict(model, read_state_dict(t.resume_weights_only), "--resume-weights-only",
+                        f"{t.resume_weights_only} does not fit this model")
+            self.pretrained_msg = f"weights loaded from {t.resume_weights_only} (fresh optimizer and schedule)"
         self.engine = ParallelEngine(self.plan, self.accelerator)
         model = self.engine.shard(model)
         # 4. parameter groups and optimizer (after FSDP2: they must see the DTensor parameters)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from vtrain.config import DataConfig, load_run_config, replace
 from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
+from vtrain.models.backbones import load_strict
 from vtrain.tasks import build_task
 
 
@@ -29,10 +30,7 @@ def evaluate_checkpoint(checkpoint: Path, data: str | None, val_data: str | None
     task = build_task(cfg)
     sd = load_file(str(weights))
     model = task.build_model(num_classes=sd["head.weight"].shape[0] if "head.weight" in sd else None)
-    try:
-        model.load_state_dict(sd, strict=True)
-    except RuntimeError as e:
-        raise VtrainError(f"--checkpoint: weights do not match the model in config.yaml: {str(e).splitlines()[0]}")
+    load_strict(model, sd, "--checkpoint", "weights do not match the model in config.yaml")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     metrics = task.evaluate(lambda x: model(x), device)

@@ -44,6 +44,14 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def load_strict(model: nn.Module, sd: dict[str, torch.Tensor], flag: str, what: str) -> None:
+    """load_state_dict(strict=True) whose failure is a one-line user error naming the flag."""
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise VtrainError(f"{flag}: {what}: {' '.join(str(e).split())[:300]}") from None
+
+
 def load_backbone_weights(backbone: nn.Module, sd: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
     """Load timm-layout weights, adapting them with the model family's own `checkpoint_filter_fn`
     (position-embedding resampling, original Swin/ViT key layouts). Returns (missing, unexpected)."""
