@@ -16,9 +16,9 @@ def _one_line_error(proc, *needles):
 
 @pytest.mark.parametrize("args,needles", [
     (["--grad-accum", "0"], ["--grad-accum"]),
-    (["--model", "vit-huge"], ["--model", "unknown preset"]),
+    (["--model", "vit-huge"], ["--model", "unknown metric preset"]),
     (["--data", "/no/such/dir"], ["--data", "not a directory"]),
-    (["--task", "dino"], ["--task dino", "not available yet"]),
+    (["--task", "dino", "--model", "vit-b"], ["--model", "unknown dino preset"]),
     (["--config", "/no/such.yaml"], ["--config", "not found"]),
     (["--resume", "/no/such/ckpt"], ["--resume"]),
     (["--ds-config", "/no/such.json"], ["--ds-config"]),

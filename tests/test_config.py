@@ -30,9 +30,20 @@ def test_invalid_values_name_the_flag(section, key, value, flag):
         build_config("metric", overrides={section: {key: value}})
 
 
-def test_dino_not_available_yet():
-    with pytest.raises(ConfigError, match="not available yet"):
-        build_config("dino")
+def test_dino_defaults_follow_the_recipe():
+    cfg = build_config("dino")
+    # dino.md §1.1: AdamW 1e-4, wd 1e-4, backbone lr x0.1, clip 0.1, step decay x0.1, no warm-up, 800 test size
+    o = cfg.optim
+    assert (o.lr, o.weight_decay, o.backbone_lr_mult, o.clip_grad, o.schedule, o.gamma, o.warmup_steps) == \
+        (1e-4, 1e-4, 0.1, 0.1, "step", 0.1, 0)
+    assert cfg.model.image_size == 800 and cfg.train.batch_size == 2 and cfg.data.path == "demo"
+    from vtrain.engine.optim import lr_lambda
+
+    f = lr_lambda(o, total_steps=120)  # no milestones: one decay at 11/12 of training (epoch 11 of 12)
+    assert f(109) == 1.0 and f(110) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="unknown dino preset 'vit-b'"):
+        build_config("dino", overrides={"model": {"preset": "vit-b"}})
+    assert build_config("dino", overrides={"model": {"preset": "swin-l"}}).model.preset == "swin-l"
 
 
 def test_yaml_then_flags_precedence(tmp_path):

@@ -33,8 +33,9 @@ def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
     """Map flat CLI flags to config sections; unset flags (None) do not override the YAML file."""
     sections = {
         "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
-                  "drop_path", "grad_ckpt"),
-        "data": ("path", "num_workers", "val_path", "pairs_file"),
+                  "drop_path", "grad_ckpt", "num_queries", "dn_queries"),
+        "data": ("path", "num_workers", "val_path", "pairs_file", "train_ann", "train_images", "val_ann", "val_images",
+                 "max_size"),
         "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad"),
         "parallel": ("mixed_precision", "ds_config", "fsdp"),
         "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
@@ -93,6 +94,13 @@ def train(
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out identity tree")] = None,
     pairs: Annotated[Optional[str], typer.Option("--pairs", help="Verification pairs file")] = None,
     max_nonfinite: Annotated[Optional[int], typer.Option(help="Stop after N consecutive non-finite steps")] = None,
+    train_ann: Annotated[Optional[str], typer.Option(help="Detection: COCO train annotation JSON")] = None,
+    train_images: Annotated[Optional[str], typer.Option(help="Detection: train image folder")] = None,
+    val_ann: Annotated[Optional[str], typer.Option(help="Detection: COCO val annotation JSON")] = None,
+    val_images: Annotated[Optional[str], typer.Option(help="Detection: val image folder")] = None,
+    max_size: Annotated[Optional[int], typer.Option(help="Detection: longest side after resize")] = None,
+    num_queries: Annotated[Optional[int], typer.Option(help="DINO matching queries (recipe: 900)")] = None,
+    dn_queries: Annotated[Optional[int], typer.Option(help="DINO denoising queries (recipe: 100; 0 disables)")] = None,
 ) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
     from vtrain.config import build_config, read_yaml
@@ -109,19 +117,26 @@ def train(
 @app.command("eval")
 def evaluate(
     checkpoint: Annotated[Path, typer.Option(help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
+    task: Annotated[Optional[Task], typer.Option(help="Expected task (checked against the checkpoint)")] = None,
     data: Annotated[Optional[str], typer.Option(help="Data directory or `demo`; default: the run's data")] = None,
-    val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out identity tree")] = None,
-    pairs: Annotated[Optional[str], typer.Option("--pairs", help="Verification pairs file")] = None,
-    batch_size: Annotated[int, typer.Option(help="Batch size")] = 64,
+    val_data: Annotated[Optional[str], typer.Option("--val-data", help="Metric: held-out identity tree")] = None,
+    pairs: Annotated[Optional[str], typer.Option("--pairs", help="Metric: verification pairs file")] = None,
+    val_ann: Annotated[Optional[str], typer.Option(help="Detection: COCO annotation JSON to evaluate on")] = None,
+    val_images: Annotated[Optional[str], typer.Option(help="Detection: its image folder")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
+    save_predictions: Annotated[Optional[str], typer.Option(help="Detection: write COCO results JSON here")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
 ) -> None:
-    """Evaluate a checkpoint (face verification: TAR@FAR and best accuracy)."""
+    """Evaluate a checkpoint: face verification (TAR@FAR, best accuracy) or COCO box AP."""
+    from vtrain.engine.logging import console
     from vtrain.eval.run import evaluate_checkpoint
 
-    metrics = evaluate_checkpoint(checkpoint, data, val_data, pairs, batch_size)
-    from vtrain.engine.logging import console, verification_table
-
-    console.print(verification_table(metrics, title=f"verification: {checkpoint}"))
+    overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_ann": val_ann, "val_images": val_images}
+    run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
+                                            save_predictions)
+    console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint}"))
+    if save_predictions:
+        console.print(f"wrote {save_predictions}", soft_wrap=True)
     if as_json:
         print(json.dumps({k: v for k, v in metrics.items() if k != "rows"}))
 
@@ -177,9 +192,10 @@ def presets() -> None:
 
     from vtrain.engine.logging import console
     from vtrain.models.backbones import build_backbone
-    from vtrain.presets import METRIC_PRESETS
+    from vtrain.models.dino import DINO, count_parameters
+    from vtrain.presets import DINO_PRESETS, METRIC_PRESETS
 
-    t = Table(title="metric-learning backbones (112x112)")
+    t = Table(title="--task metric: backbones (112x112)")
     for col in ("preset", "timm model", "backbone params", "description"):
         t.add_column(col)
     for name, fn in METRIC_PRESETS.items():
@@ -187,6 +203,16 @@ def presets() -> None:
         with torch.device("meta"):
             n = sum(x.numel() for x in build_backbone(name, 112).parameters())
         t.add_row(name, p.timm_name, f"{n / 1e6:.2f}M", p.description)
+    console.print(t)
+    t = Table(title="--task dino: detectors (80 classes)")
+    for col in ("preset", "timm backbone", "levels", "backbone", "total", "description"):
+        t.add_column(col)
+    for name, fn in DINO_PRESETS.items():
+        p = fn()
+        with torch.device("meta"):
+            n = count_parameters(DINO(p, 80))
+        t.add_row(name, p.timm_name, str(p.levels), f"{n['backbone'] / 1e6:.2f}M", f"{n['total'] / 1e6:.2f}M",
+                  p.description)
     console.print(t)
 
 

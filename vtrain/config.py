@@ -35,7 +35,8 @@ class ModelConfig:
     pretrained: str | None = None
     """Local weights file (timm backbone or a vtrain model state dict); nothing is downloaded."""
     image_size: int = 112
-    """Square input resolution for the metric task (face crops are 112x112)."""
+    """Metric: square input size (face crops are 112). DINO: test short side (800 in the recipe); the training
+    scales follow it (480-800 at 800) and the long side is capped at image_size * 1333 / 800."""
     embedding_dim: int = 512
     neck_norm: str = "bn"
     """Embedding neck normalisation: bn (insightface style), ln or none."""
@@ -47,11 +48,12 @@ class ModelConfig:
     grad_ckpt: list[str] = field(default_factory=list)
     """Parts to checkpoint (activation recomputation), e.g. ["backbone"]."""
 
-    def __post_init__(self) -> None:
-        from vtrain.presets import METRIC_PRESETS
+    num_queries: int | None = None
+    """DINO matching queries (default: the preset's, 900 in the recipe)."""
+    dn_queries: int | None = None
+    """DINO contrastive-denoising queries (default: the preset's, 100 in the recipe; 0 disables denoising)."""
 
-        _check(self.preset in METRIC_PRESETS, "--model",
-               f"unknown preset {self.preset!r}; choose one of: {', '.join(METRIC_PRESETS)}")
+    def __post_init__(self) -> None:
         _check(self.image_size >= 32 and self.image_size % 16 == 0, "--image-size",
                f"must be a multiple of 16 and >= 32, got {self.image_size}")
         _check(self.embedding_dim > 0, "--embedding-dim", "must be > 0")
@@ -66,6 +68,8 @@ class ModelConfig:
             self.grad_ckpt = [p for p in self.grad_ckpt.split(",") if p]
         if self.pretrained is not None:
             _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
+        _check(self.num_queries is None or self.num_queries > 0, "--num-queries", "must be > 0")
+        _check(self.dn_queries is None or self.dn_queries >= 0, "--dn-queries", "must be >= 0")
 
 
 @dataclass
@@ -78,6 +82,16 @@ class DataConfig:
     pairs_file: str | None = None
     """Verification pairs file (`path1 path2 1|0` per line, paths relative to the file); else pairs are sampled."""
     max_impostor_pairs: int = 200_000
+    train_ann: str | None = None
+    """Detection: COCO annotation JSON for training (default: <data>/annotations/instances_train2017.json)."""
+    train_images: str | None = None
+    """Detection: training image folder (default: <data>/train2017)."""
+    val_ann: str | None = None
+    """Detection: COCO annotation JSON for evaluation (default: <data>/annotations/instances_val2017.json)."""
+    val_images: str | None = None
+    """Detection: evaluation image folder (default: <data>/val2017)."""
+    max_size: int | None = None
+    """Detection: longest image side after resizing (default: image_size * 1333 / 800)."""
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 0, "--num-workers", "must be >= 0")
@@ -88,6 +102,13 @@ class DataConfig:
         if self.pairs_file is not None:
             _check(Path(self.pairs_file).is_file(), "--pairs", f"file not found: {self.pairs_file}")
         _check(self.max_impostor_pairs > 0, "data.max_impostor_pairs", "must be > 0")
+        for flag, value in (("--train-ann", self.train_ann), ("--val-ann", self.val_ann)):
+            if value is not None:
+                _check(Path(value).is_file(), flag, f"file not found: {value}")
+        for flag, value in (("--train-images", self.train_images), ("--val-images", self.val_images)):
+            if value is not None:
+                _check(Path(value).is_dir(), flag, f"not a directory: {value}")
+        _check(self.max_size is None or self.max_size >= 32, "--max-size", "must be >= 32")
 
 
 @dataclass
@@ -102,7 +123,8 @@ class OptimConfig:
     schedule: str = "cosine"
     min_lr_ratio: float = 0.0
     milestones: list[int] = field(default_factory=list)
-    """Optimizer steps at which a step schedule multiplies the LR by `gamma`."""
+    """Optimizer steps at which a step schedule multiplies the LR by `gamma` (default: at 11/12 of training,
+    the DINO recipe's decay at epoch 11 of 12)."""
     gamma: float = 0.1
     clip_grad: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
@@ -192,9 +214,12 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
+        from vtrain.presets import presets_for
+
         _check(self.task in TASKS, "--task", f"choose one of {TASKS}")
-        if self.task == "dino":
-            raise ConfigError("--task dino: the DINO detection task is not available yet (tracked in its own issue)")
+        names = presets_for(self.task)
+        _check(self.model.preset in names, "--model",
+               f"unknown {self.task} preset {self.model.preset!r}; choose one of: {', '.join(names)}")
         for m in self.optim.milestones:
             _check(self.train.max_steps is None or m <= self.train.max_steps, "optim.milestones",
                    f"milestone {m} is beyond --max-steps {self.train.max_steps}")
@@ -215,6 +240,12 @@ _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConf
 TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     # insightface ViT recipe uses AdamW lr 1e-3, wd 0.1 (face.md §1.2); our small-batch default keeps lr 1e-3.
     "metric": {"optim": {"lr": 1e-3, "weight_decay": 0.1}},
+    # DINO recipe (dino.md §1.1): AdamW 1e-4, wd 1e-4, backbone x0.1, clip 0.1, step decay x0.1, no warm-up;
+    # test resize 800 (long side 1333); micro-batch 2 per GPU.
+    "dino": {"model": {"image_size": 800},
+             "optim": {"lr": 1e-4, "weight_decay": 1e-4, "backbone_lr_mult": 0.1, "clip_grad": 0.1,
+                       "schedule": "step", "gamma": 0.1, "warmup_steps": 0},
+             "train": {"batch_size": 2}},
 }
 
 

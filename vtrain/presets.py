@@ -34,3 +34,56 @@ METRIC_PRESETS: dict[str, Callable[[], BackbonePreset]] = {
     "swin-l": _vit("swin_large_patch4_window7_224", "Swin-L, window 7"),
     "resnet50": lambda: BackbonePreset("resnet50", {}, False, "ResNet-50 (BatchNorm)"),
 }
+
+
+@dataclass(frozen=True)
+class DinoPreset:
+    """A timm backbone (its stage indices for `forward_intermediates`) and the DINO transformer sizes.
+
+    Defaults are the recipe of dino.md §1 (256-d, 6+6 layers, 8 heads, 4 points, FFN 2048, 900 queries,
+    100 denoising queries); `levels` counts backbone levels plus extra stride-2 levels (5-scale = 4 + 1)."""
+
+    timm_name: str
+    out_indices: tuple[int, ...]
+    levels: int
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+    drop_path: float = 0.0
+    out_norm: bool = False  # LayerNorm on each taken stage output (Swin, as MMD/official DINO)
+    frozen_bn: bool = False  # ResNet: frozen BatchNorm and frozen stem + stage 1 (MMD R50 DINO)
+    dim: int = 256
+    ffn: int = 2048
+    enc_layers: int = 6
+    dec_layers: int = 6
+    heads: int = 8
+    points: int = 4
+    queries: int = 900
+    dn_queries: int = 100
+
+
+_SWIN = {"strict_img_size": False}  # variable detection image sizes (dino.md §5: timm strict_img_size=False)
+
+DINO_PRESETS: dict[str, Callable[[], DinoPreset]] = {
+    # tiny Swin (the same code path as swin-l) with a small transformer: tests and the CPU demo
+    "debug": lambda: DinoPreset("swin_tiny_patch4_window7_224", (1, 2, 3), 4,
+                                dict(_SWIN, embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8)),
+                                "tiny Swin + 64-d 2+2-layer DINO for tests and the CPU demo", out_norm=True,
+                                dim=64, ffn=128, enc_layers=2, dec_layers=2, heads=4, points=4, queries=100,
+                                dn_queries=20),
+    # MMD dino-5scale_swin-l_8xb2-12e_coco: embed 192, depths 2/2/18/2, window 12, drop-path 0.2 (dino.md §1.2)
+    "swin-l": lambda: DinoPreset("swin_large_patch4_window12_384", (0, 1, 2, 3), 5, dict(_SWIN),
+                                 "Swin-L/12 (384, IN-22k layout), DINO 5-scale (strides 4-64)", drop_path=0.2,
+                                 out_norm=True),
+    "swin-l-4scale": lambda: DinoPreset("swin_large_patch4_window12_384", (1, 2, 3), 4, dict(_SWIN),
+                                        "Swin-L/12, DINO 4-scale (strides 8-64)", drop_path=0.2, out_norm=True),
+    "swin-b": lambda: DinoPreset("swin_base_patch4_window12_384", (1, 2, 3), 4, dict(_SWIN),
+                                 "Swin-B/12, DINO 4-scale", drop_path=0.3, out_norm=True),
+    "swin-t": lambda: DinoPreset("swin_tiny_patch4_window7_224", (1, 2, 3), 4, dict(_SWIN),
+                                 "Swin-T/7, DINO 4-scale", drop_path=0.2, out_norm=True),
+    "resnet50": lambda: DinoPreset("resnet50", (2, 3, 4), 4, {}, "ResNet-50 (frozen BN, frozen stage 1), DINO 4-scale",
+                                   frozen_bn=True),
+}
+
+
+def presets_for(task: str) -> dict[str, Callable[[], Any]]:
+    return DINO_PRESETS if task == "dino" else METRIC_PRESETS

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
+from vtrain.data.cache import cached_dir
+
 VERSION = 1
 TRAIN_IDS, TRAIN_PER_ID = 200, 12
 VAL_IDS, VAL_PER_ID = 50, 8
 SIZE = 112
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("VTRAIN_CACHE", Path.home() / ".cache" / "vtrain"))
 
 
 def _identity(rng: np.random.Generator) -> dict:
@@ -96,22 +92,9 @@ def write_identity_tree(root: Path, first_id: int, num_ids: int, per_id: int, se
 
 
 def ensure_demo_faces(seed: int = 0) -> Path:
-    """Return the demo dataset dir, generating it once (atomically: concurrent ranks race safely)."""
-    target = cache_root() / f"demo_faces_v{VERSION}_s{seed}"
-    if (target / "DONE").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo_faces_", dir=target.parent))
-    try:
+    """Return the demo dataset dir, generating it once."""
+    def write(tmp: Path) -> None:
         write_identity_tree(tmp / "train", 0, TRAIN_IDS, TRAIN_PER_ID, seed)
         write_identity_tree(tmp / "val", TRAIN_IDS, VAL_IDS, VAL_PER_ID, seed)
-        (tmp / "DONE").write_text("ok\n")
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first
-            if not (target / "DONE").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return cached_dir(f"demo_faces_v{VERSION}_s{seed}", write)

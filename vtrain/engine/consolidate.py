@@ -269,16 +269,13 @@ def _check_model(path: str | Path, shapes: dict[str, tuple[tuple[int, ...], torc
     """Rebuild the model from the run's config.yaml on the meta device and check, as load_state_dict(strict=True)
     does, that names and shapes match exactly (no data needed)."""
     from vtrain.config import load_run_config
-    from vtrain.models.metric import MetricModel
+    from vtrain.tasks import model_for_weights
 
     cfg_path = _config_path(path)
     if cfg_path is None:
         raise VtrainError(f"--check-model: no config.yaml next to {path} (only vtrain checkpoints carry one)")
-    m = load_run_config(cfg_path).model
-    head = shapes.get("head.weight")
     with torch.device("meta"):
-        model = MetricModel(m.preset, head[0][0] if head is not None else 1, m.image_size, m.embedding_dim,
-                            m.neck_norm, m.head, m.margin, m.scale, m.drop_path)
+        model = model_for_weights(load_run_config(cfg_path), {k: v[0] for k, v in shapes.items()})
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(set(want) - set(shapes))
     unexpected = sorted(set(shapes) - set(want))

@@ -62,13 +62,13 @@ class RunLogger:
             f.write(json.dumps(record) + "\n")
         console.print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), soft_wrap=True)
 
-    def log_eval(self, step: int, metrics: dict[str, Any]) -> None:
+    def log_eval(self, step: int, metrics: dict[str, Any], table: Table) -> None:
         if not self.enabled:
             return
         flat = {k: v for k, v in metrics.items() if k != "rows"}
         with open(self.out / "eval.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **flat}) + "\n")
-        console.print(verification_table(metrics, title=f"verification @ step {step}"))
+        console.print(table)
 
     def close(self) -> None:
         if self.progress is not None:

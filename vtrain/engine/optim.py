@@ -51,6 +51,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, plan: Plan) -> torch.opt
 def lr_lambda(cfg: OptimConfig, total_steps: int):
     """Multiplier of the peak LR after `step` optimizer steps: linear warm-up, then cosine/step/constant."""
     warm = cfg.warmup_steps
+    # no milestones given: one decay at 11/12 of training (DINO: x0.1 at epoch 11 of 12, dino.md §1.1)
+    milestones = cfg.milestones or [max(1, round(total_steps * 11 / 12))]
 
     def f(step: int) -> float:
         if step < warm:
@@ -59,7 +61,7 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
             progress = min(1.0, (step - warm) / max(1, total_steps - warm))
             return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         if cfg.schedule == "step":
-            return cfg.gamma ** sum(step >= m for m in cfg.milestones)
+            return cfg.gamma ** sum(step >= m for m in milestones)
         return 1.0
 
     return f

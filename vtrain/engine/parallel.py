@@ -65,6 +65,11 @@ def build_accelerator(plan: Plan, grad_accum: int) -> Accelerator:
     ds_plugin = None
     if plan.kind == "deepspeed":
         os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # the plugin below is the only DeepSpeed source
+        # `accelerate launch --config_file` with a deepspeed_config section lists the YAML's keys here, and the
+        # plugin then refuses any JSON file ("the following accelerate config variables will be ignored",
+        # measured with accelerate 1.15 and accelerate_configs/deepspeed.yaml). The plan has already read
+        # what it needs from that YAML, and vtrain fills the JSON from its own flags: one owner per knob.
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         ds_plugin = DeepSpeedPlugin(hf_ds_config=plan.ds_config)
     # On CPU processes DDP needs cpu=True: with the gloo kwargs alone Accelerate stays at distributed type NO
     # and `prepare` returns the bare model (measured: accelerate 1.15). cpu=True would drop DeepSpeed, so
@@ -79,6 +84,14 @@ def build_accelerator(plan: Plan, grad_accum: int) -> Accelerator:
                                 init_method=f"tcp://127.0.0.1:{_free_port()}")
     quiet_libraries()
     return accelerator
+
+
+def _persistent_buffers(module: nn.Module):
+    """(name, buffer) pairs that `state_dict()` would hold: buffers registered with persistent=False are left out."""
+    for mod_name, mod in module.named_modules():
+        for name, b in mod.named_buffers(recurse=False):
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                yield (f"{mod_name}.{name}" if mod_name else name), b
 
 
 class ParallelEngine:
@@ -239,7 +252,7 @@ class ParallelEngine:
                 with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
                     if main:
                         sd[name] = p.detach().float().cpu().clone()
-            for name, b in module.named_buffers():
+            for name, b in _persistent_buffers(module):  # as state_dict: timm's relative_position_index is not
                 if main:
                     sd[name] = b.detach().cpu().clone()
         else:

@@ -67,7 +67,8 @@ class Trainer:
         # 4. parameter groups and optimizer (after FSDP2: they must see the DTensor parameters)
         optimizer = build_optimizer(model, cfg.optim, self.plan)
         # 5. data: our own sharded, resumable sampler (Accelerate does not shard it; see sampler.py)
-        self.sampler = ShardedEpochSampler(len(dataset), t.batch_size, self.rank, self.world, seed=t.seed)
+        self.sampler = ShardedEpochSampler(len(dataset), t.batch_size, self.rank, self.world, seed=t.seed,
+                                           group_ids=getattr(dataset, "group_ids", None))
         if self.sampler.batches_per_epoch < 1:
             raise VtrainError(f"--batch-size {t.batch_size} x {self.world} processes exceeds the "
                               f"{len(dataset)} training images")
@@ -117,11 +118,14 @@ class Trainer:
         per_micro = self.cfg.train.batch_size * self.world
         bpe = self.sampler.batches_per_epoch
         epoch, offset = divmod(self.consumed_samples // per_micro, bpe)
+        workers = self.cfg.data.num_workers
+        # one loader for the whole run: persistent workers are not re-spawned every epoch (small datasets), and
+        # the sampler runs in this process, so its new position applies to the next iteration
+        loader = DataLoader(self.dataset, batch_size=self.cfg.train.batch_size, sampler=self.sampler,
+                            num_workers=workers, drop_last=True, collate_fn=self.task.collate_fn,
+                            persistent_workers=workers > 0, pin_memory=self.accelerator.device.type == "cuda")
         while True:
             self.sampler.set_position(epoch, offset)
-            loader = DataLoader(self.dataset, batch_size=self.cfg.train.batch_size, sampler=self.sampler,
-                                num_workers=self.cfg.data.num_workers, drop_last=True,
-                                pin_memory=self.accelerator.device.type == "cuda")
             for batch in loader:
                 yield epoch, batch
             epoch, offset = epoch + 1, 0
@@ -182,7 +186,7 @@ class Trainer:
             self.logger.info(self.pretrained_msg)
         if self.resumed_from is not None:
             self.logger.info(f"resumed from {self.resumed_from} at step {self.step}")
-        for note in self.logger_notes:
+        for note in self.task.notes + self.logger_notes:
             self.logger.info(note)
         stream = self._micro_batches()
         timer = StepTimer()
@@ -259,16 +263,17 @@ class Trainer:
         self.engine.sync_buffers()
         self.model.eval()
         try:
-            def forward(images: torch.Tensor) -> dict[str, torch.Tensor]:
+            def forward(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
                 with self.engine.forward_context():
-                    return self.model(images)
+                    return self.model(**inputs)
 
             metrics = self.task.evaluate(forward, self.accelerator.device, self.rank, self.world,
                                          self.engine.input_dtype)
         finally:
             self.model.train()
         if metrics is not None:
-            self.logger.log_eval(self.step, metrics)
+            self.logger.log_eval(self.step, metrics, self.task.metrics_table(metrics, f"{self.task.name} eval @ step "
+                                                                                      f"{self.step}"))
         return metrics
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------

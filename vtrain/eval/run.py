@@ -6,17 +6,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from vtrain.config import DataConfig, load_run_config, replace
 from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict
-from vtrain.tasks import build_task
+from vtrain.tasks import build_task, model_for_weights
 
 
-def evaluate_checkpoint(checkpoint: Path, data: str | None, val_data: str | None, pairs: str | None,
-                        batch_size: int) -> dict[str, Any]:
+def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int | None = None,
+                        task_name: str | None = None, save_predictions: str | None = None) -> tuple[Any, dict]:
+    """Returns (task, metrics). `data` holds DataConfig overrides (path, val_path, pairs_file, val_ann, ...);
+    unset values fall back to the data the run was trained on."""
     path = ckpt.find(checkpoint)
     if path is None:
         raise VtrainError(f"--checkpoint: {checkpoint} is neither a complete checkpoint nor a run directory with one")
@@ -24,23 +27,24 @@ def evaluate_checkpoint(checkpoint: Path, data: str | None, val_data: str | None
     if not weights.is_file():
         raise VtrainError(f"--checkpoint: {path} has no model.safetensors")
     cfg = load_run_config(path / "config.yaml")
-    saved_data = ckpt_data_path(path)
-    cfg = replace(cfg, data=DataConfig(path=data or saved_data, val_path=val_data, pairs_file=pairs),
-                  train=replace(cfg.train, batch_size=batch_size))
+    if task_name is not None and task_name != cfg.task:
+        raise VtrainError(f"--task {task_name}: {path} is a {cfg.task} checkpoint")
+    saved = yaml.safe_load((path / "config.yaml").read_text()).get("data", {})
+    given = {k: v for k, v in data.items() if v is not None}
+    # no --data: the run's own data (and its explicit files); a new --data root: only what is given
+    keep = () if "path" in given else ("path", "train_ann", "train_images", "val_ann", "val_images")
+    merged = {**{k: saved[k] for k in keep if saved.get(k) is not None}, "max_size": saved.get("max_size"), **given}
+    cfg = replace(cfg, data=DataConfig(**merged),
+                  train=replace(cfg.train, batch_size=batch_size or cfg.train.batch_size))
     task = build_task(cfg)
     sd = load_file(str(weights))
-    model = task.build_model(num_classes=sd["head.weight"].shape[0] if "head.weight" in sd else None)
+    model = model_for_weights(cfg, {k: tuple(v.shape) for k, v in sd.items()})
     load_strict(model, sd, "--checkpoint", "weights do not match the model in config.yaml")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
-    metrics = task.evaluate(lambda x: model(x), device)
+    metrics = task.evaluate(lambda **inputs: model(**inputs), device, save_predictions=save_predictions)
     if metrics is None:
-        raise VtrainError("nothing to evaluate on: give --val-data (held-out identities) or --pairs")
-    return metrics
-
-
-def ckpt_data_path(path: Path) -> str:
-    import yaml
-
-    saved = yaml.safe_load((path / "config.yaml").read_text())
-    return saved.get("data", {}).get("path", "demo")
+        hint = "--val-ann and --val-images (or --data with annotations/instances_val2017.json)" if cfg.task == "dino" \
+            else "--val-data (held-out identities) or --pairs"
+        raise VtrainError(f"nothing to evaluate on: give {hint}")
+    return task, metrics

@@ -23,11 +23,13 @@ GRAD_CKPT_PARTS = ("backbone",)
 
 class MetricTask:
     name = "metric"
+    collate_fn = None  # default collation: fixed-size crops
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.data = resolve_face_data(cfg.data)
         self._train: FaceFolder | None = None
+        self.notes: list[str] = []
         for part in cfg.model.grad_ckpt:
             if part not in GRAD_CKPT_PARTS:
                 raise VtrainError(f"--grad-ckpt: unknown part {part!r} for --task metric; parts: "
@@ -85,8 +87,9 @@ class MetricTask:
         return [p for p, _ in val.samples], idx, same
 
     @torch.no_grad()
-    def evaluate(self, forward: Callable[[torch.Tensor], dict[str, torch.Tensor]], device: torch.device,
-                 rank: int = 0, world: int = 1, input_dtype: torch.dtype = torch.float32) -> dict[str, Any] | None:
+    def evaluate(self, forward: Callable[..., dict[str, torch.Tensor]], device: torch.device,
+                 rank: int = 0, world: int = 1, input_dtype: torch.dtype = torch.float32,
+                 save_predictions: str | None = None) -> dict[str, Any] | None:
         """Verification over all ranks: each embeds an equal-length shard (sharded engines need every rank in
         every forward), embeddings are gathered, rank 0 scores the pairs. Returns metrics on rank 0."""
         es = self.eval_set()
@@ -102,7 +105,7 @@ class MetricTask:
         for imgs in loader:
             imgs = imgs.to(device, input_dtype)
             # flip test-time augmentation: sum of the embeddings of the image and its mirror (face.md §1.5)
-            emb = forward(imgs)["embedding"].float() + forward(imgs.flip(-1))["embedding"].float()
+            emb = forward(images=imgs)["embedding"].float() + forward(images=imgs.flip(-1))["embedding"].float()
             chunks.append(F.normalize(emb, dim=1))
         local = torch.cat(chunks)
         if world > 1:
@@ -114,6 +117,13 @@ class MetricTask:
         emb = local[:n].cpu()
         scores = (emb[pair_idx[:, 0]] * emb[pair_idx[:, 1]]).sum(1).numpy()
         return verification_metrics(scores, same)
+
+
+    @staticmethod
+    def metrics_table(metrics: dict[str, Any], title: str = "verification"):
+        from vtrain.engine.logging import verification_table
+
+        return verification_table(metrics, title)
 
 
 class _Images(Dataset):

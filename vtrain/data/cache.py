@@ -1,0 +1,35 @@
+"""The data cache (VTRAIN_CACHE, default ~/.cache/vtrain) and atomic, race-safe creation of generated data."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VTRAIN_CACHE", Path.home() / ".cache" / "vtrain"))
+
+
+def cached_dir(name: str, write: Callable[[Path], None]) -> Path:
+    """Return cache_root()/name, calling write(tmp_dir) once to create it: written into a temp dir and renamed,
+    so concurrent ranks race safely and an interrupted write never leaves a half-filled directory."""
+    target = cache_root() / name
+    if (target / "DONE").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}_", dir=target.parent))
+    try:
+        write(tmp)
+        (tmp / "DONE").write_text("ok\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "DONE").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,233 @@
+"""COCO-format detection data: pycocotools for reading, torchvision.transforms.v2 with bounding-box tv_tensors for
+the DINO augmentation recipe, padded batches with masks.
+
+Annotation problems are handled once, at load time, and reported as counts: crowd boxes are left out of training
+(COCOeval handles them in evaluation), boxes are clipped to the image, boxes with no area left are dropped.
+Unknown category ids, missing image files and unreadable JSON are errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from torchvision import tv_tensors
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+
+from vtrain.errors import VtrainError
+
+MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics (MMD preprocessor 123.675/116.28/103.53, 58.395/57.12/57.375)
+STD = (0.229, 0.224, 0.225)
+PAD_DIVISOR = 32  # every backbone level (stride <= 32) gets an integral size
+
+
+@dataclass
+class AnnotationReport:
+    images: int = 0
+    boxes: int = 0
+    crowd: int = 0
+    clipped: int = 0
+    dropped_empty: int = 0
+    images_without_boxes: int = 0
+    unreadable_images: list[str] = field(default_factory=list)
+
+    def summary(self, name: str) -> str:
+        return (f"{name}: {self.images} images, {self.boxes} boxes; crowd boxes left out {self.crowd}, clipped to the "
+                f"image {self.clipped}, dropped (no area) {self.dropped_empty}, images without boxes "
+                f"{self.images_without_boxes}")
+
+
+def load_coco(ann_file: str | Path):
+    """pycocotools COCO object with its progress prints silenced; malformed files are one-line errors."""
+    from pycocotools.coco import COCO
+
+    path = Path(ann_file)
+    if not path.is_file():
+        raise VtrainError(f"annotation file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise VtrainError(f"{path} is not valid JSON ({e})") from None
+    for key in ("images", "annotations", "categories"):
+        if not isinstance(data, dict) or key not in data:
+            raise VtrainError(f"{path} is not a COCO detection file: missing {key!r}")
+    if not data["categories"]:
+        raise VtrainError(f"{path} has no categories")
+    coco = COCO()
+    coco.dataset = data
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            coco.createIndex()
+        except (KeyError, TypeError) as e:
+            raise VtrainError(f"{path}: malformed COCO entry ({e!r})") from None
+    return coco
+
+
+class RandomSizeCrop(v2.Transform):
+    """Crop of random height and width in [lo, hi] pixels (clamped to the image), anywhere in the image
+    (MMD RandomCrop with crop_type='absolute_range', allow_negative_crop=True)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        super().__init__()
+        self.lo, self.hi = lo, hi
+
+    def make_params(self, flat_inputs: list) -> dict:
+        h, w = v2.query_size(flat_inputs)
+        ch = int(torch.randint(min(self.lo, h), min(self.hi, h) + 1, ()))
+        cw = int(torch.randint(min(self.lo, w), min(self.hi, w) + 1, ()))
+        top = int(torch.randint(0, h - ch + 1, ()))
+        left = int(torch.randint(0, w - cw + 1, ()))
+        return {"top": top, "left": left, "height": ch, "width": cw}
+
+    def transform(self, inpt, params: dict):
+        return self._call_kernel(TF.crop, inpt, **params)
+
+
+def train_transforms(size: int, max_size: int) -> v2.Transform:
+    """DINO training augmentation (dino.md §1.1), scaled with `size` (800 = the recipe): flip, then either
+    multi-scale resize (short side 0.6-1.0 x size in 25 steps, i.e. 480-800 step 32; long side <= max_size) or
+    resize to {0.5, 0.625, 0.75} x size, random crop of 0.48-0.75 x size, and the same multi-scale resize."""
+    f = size / 800
+    scales = sorted({int(round(s * f)) for s in range(480, 801, 32)})
+    crop_scales = [int(round(s * f)) for s in (400, 500, 600)]
+    return v2.Compose([
+        v2.RandomHorizontalFlip(0.5),
+        v2.RandomChoice([
+            v2.RandomShortestSize(scales, max_size),
+            v2.Compose([v2.RandomShortestSize(crop_scales, int(4200 * f)),
+                        RandomSizeCrop(int(round(384 * f)), int(round(600 * f))),
+                        v2.RandomShortestSize(scales, max_size)]),
+        ]),
+        v2.ClampBoundingBoxes(),
+        v2.SanitizeBoundingBoxes(min_size=1.0),
+    ])
+
+
+def test_transforms(size: int, max_size: int) -> v2.Transform:
+    return v2.Resize(size, max_size=max_size)
+
+
+class CocoDetection(Dataset):
+    """Images of a COCO annotation file with training targets: labels (contiguous, sorted category ids) and
+    boxes (cxcywh normalised to the transformed image)."""
+
+    def __init__(self, ann_file: str | Path, image_dir: str | Path, size: int, max_size: int, train: bool,
+                 seed: int = 0) -> None:
+        self.ann_file, self.image_dir = Path(ann_file), Path(image_dir)
+        self.train, self.seed = train, seed
+        self.coco = load_coco(self.ann_file)
+        self.cat_ids = sorted(self.coco.getCatIds())
+        self.cat_to_label = {c: i for i, c in enumerate(self.cat_ids)}
+        self.names = [self.coco.cats[c].get("name", str(c)) for c in self.cat_ids]
+        self.report = AnnotationReport()
+        self.ids = sorted(self.coco.imgs)
+        if not self.ids:
+            raise VtrainError(f"{self.ann_file} lists no images")
+        if not self.image_dir.is_dir():
+            raise VtrainError(f"image folder not found: {self.image_dir}")
+        missing = [i for i in self.ids if not (self.image_dir / self.coco.imgs[i]["file_name"]).is_file()]
+        if missing:
+            first = self.image_dir / self.coco.imgs[missing[0]]["file_name"]
+            raise VtrainError(f"{len(missing)} of {len(self.ids)} images listed in {self.ann_file.name} are missing "
+                              f"from {self.image_dir}, e.g. {first}")
+        self.targets = [self._clean(i) for i in self.ids]
+        self.transforms = train_transforms(size, max_size) if train else test_transforms(size, max_size)
+        # aspect-ratio groups for batching (landscape / portrait), as the recipe's AspectRatioBatchSampler
+        self.group_ids = [int(self.coco.imgs[i]["width"] < self.coco.imgs[i]["height"]) for i in self.ids]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.cat_ids)
+
+    def _clean(self, image_id: int) -> tuple[np.ndarray, np.ndarray]:
+        info = self.coco.imgs[image_id]
+        w, h = info.get("width"), info.get("height")
+        if not w or not h:
+            raise VtrainError(f"{self.ann_file}: image {image_id} has no width/height")
+        r = self.report
+        r.images += 1
+        boxes, labels = [], []
+        for a in self.coco.imgToAnns.get(image_id, []):
+            if a.get("category_id") not in self.cat_to_label:
+                raise VtrainError(f"{self.ann_file}: annotation {a.get('id')} has category id {a.get('category_id')}, "
+                                  f"which is not in 'categories'")
+            if a.get("iscrowd", 0):
+                r.crowd += 1
+                continue
+            bbox = a.get("bbox")
+            if not isinstance(bbox, list) or len(bbox) != 4:
+                raise VtrainError(f"{self.ann_file}: annotation {a.get('id')} has a malformed bbox {bbox!r}")
+            x, y, bw, bh = (float(v) for v in bbox)
+            x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + bw, w), min(y + bh, h)
+            if (x0, y0, x1, y1) != (x, y, x + bw, y + bh):
+                r.clipped += 1
+            if x1 - x0 < 1.0 or y1 - y0 < 1.0:
+                r.dropped_empty += 1
+                continue
+            boxes.append([x0, y0, x1, y1])
+            labels.append(self.cat_to_label[a["category_id"]])
+        r.boxes += len(boxes)
+        r.images_without_boxes += not boxes
+        return np.asarray(boxes, np.float32).reshape(-1, 4), np.asarray(labels, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def read(self, idx: int) -> torch.Tensor:
+        path = self.image_dir / self.coco.imgs[self.ids[idx]]["file_name"]
+        try:
+            return decode_image(str(path), mode=ImageReadMode.RGB)
+        except Exception as e:
+            raise VtrainError(f"cannot decode image {path}: {e}") from None
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, torch.Tensor]:
+        # The sampler passes (epoch, index): the augmentation is seeded by both (in a forked RNG, so the
+        # model's random state is untouched), so a resumed run sees the same samples as an uninterrupted one.
+        epoch, idx = key if isinstance(key, tuple) else (0, key)
+        img = self.read(idx)
+        h0, w0 = img.shape[-2:]
+        xyxy, labels = self.targets[idx]
+        boxes = tv_tensors.BoundingBoxes(torch.from_numpy(xyxy), format="XYXY", canvas_size=(h0, w0))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(hash((self.seed, epoch, idx)) & 0x7FFFFFFF)
+            img, target = self.transforms(tv_tensors.Image(img), {"boxes": boxes, "labels": torch.from_numpy(labels)})
+        h, w = img.shape[-2:]
+        cxcywh = TF.convert_bounding_box_format(target["boxes"], new_format=tv_tensors.BoundingBoxFormat.CXCYWH)
+        norm = torch.tensor([w, h, w, h], dtype=torch.float32)
+        image = TF.normalize(img.float().div_(255.0), MEAN, STD)
+        return {"images": image, "boxes": cxcywh.as_subclass(torch.Tensor).float() / norm,
+                "labels": target["labels"], "image_id": torch.tensor(self.ids[idx]),
+                "orig_size": torch.tensor([h0, w0]), "index": torch.tensor(idx)}
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Pad images to a common size (a multiple of 32) with a padding mask; pad targets to the largest count."""
+    b = len(samples)
+    h = max(s["images"].shape[1] for s in samples)
+    w = max(s["images"].shape[2] for s in samples)
+    h, w = -(-h // PAD_DIVISOR) * PAD_DIVISOR, -(-w // PAD_DIVISOR) * PAD_DIVISOR
+    images = torch.zeros(b, 3, h, w)
+    masks = torch.ones(b, h, w, dtype=torch.bool)
+    m = max(max(len(s["labels"]) for s in samples), 1)
+    boxes = torch.zeros(b, m, 4)
+    labels = torch.zeros(b, m, dtype=torch.long)
+    for i, s in enumerate(samples):
+        _, ih, iw = s["images"].shape
+        images[i, :, :ih, :iw] = s["images"]
+        masks[i, :ih, :iw] = False
+        n = len(s["labels"])
+        boxes[i, :n] = s["boxes"]
+        labels[i, :n] = s["labels"]
+    return {"images": images, "masks": masks, "boxes": boxes, "labels": labels,
+            "num_targets": torch.tensor([len(s["labels"]) for s in samples]),
+            "image_id": torch.stack([s["image_id"] for s in samples]),
+            "orig_size": torch.stack([s["orig_size"] for s in samples]),
+            "index": torch.stack([s["index"] for s in samples])}

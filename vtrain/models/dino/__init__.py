@@ -1,0 +1,5 @@
+"""DINO detection model (DETR with improved denoising anchor boxes): our own code on timm, torchvision, scipy."""
+
+from vtrain.models.dino.detector import DINO, count_parameters, postprocess
+
+__all__ = ["DINO", "count_parameters", "postprocess"]

@@ -1,0 +1,241 @@
+"""The DINO detector: timm backbone -> ChannelMapper neck -> deformable encoder -> two-stage mixed query
+selection (+ contrastive denoising) -> refining decoder -> per-layer class/box heads.
+
+Layout as MMD's `DINO` (dino.md §1.1-1.2): separate heads for each decoder layer plus one for the encoder
+proposals, learned content queries, anchors from the encoder's top-k proposals. `forward` returns the loss dict
+when targets are given and predictions otherwise (inference also goes through `forward`, so sharded engines
+gather parameters in their hooks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops import box_convert
+
+from vtrain.models.dino.criterion import dino_loss
+from vtrain.models.dino.denoising import build_denoising
+from vtrain.models.dino.transformer import MLP, Decoder, Encoder, inverse_sigmoid, sine_position_2d
+from vtrain.presets import DINO_PRESETS, DinoPreset
+
+
+class Backbone(nn.Module):
+    """A plain timm model (standard keys, so timm and original checkpoints load) read through
+    `forward_intermediates`; unused head and final norm are pruned."""
+
+    def __init__(self, p: DinoPreset, drop_path: float | None = None) -> None:
+        super().__init__()
+        kwargs = dict(p.kwargs)
+        rate = p.drop_path if drop_path is None else drop_path
+        if rate:
+            kwargs["drop_path_rate"] = rate
+        self.body = timm.create_model(p.timm_name, pretrained=False, num_classes=0, **kwargs)
+        self.indices = list(p.out_indices)
+        self.body.prune_intermediate_layers(self.indices, prune_norm=True, prune_head=True)
+        self.channels = [self.body.feature_info[i]["num_chs"] for i in self.indices]
+        self.strides = [self.body.feature_info[i]["reduction"] for i in self.indices]
+        self.out_norms = nn.ModuleList(nn.LayerNorm(c) for c in self.channels) if p.out_norm else None
+        if p.frozen_bn:
+            # batch 2 per GPU: BatchNorm statistics are frozen and the stem + stage 1 are not trained
+            self.body = timm.layers.freeze_batch_norm_2d(self.body)
+            for name, param in self.body.named_parameters():
+                if name.startswith(("conv1.", "bn1.", "layer1.")):
+                    param.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        feats = self.body.forward_intermediates(x, indices=self.indices, intermediates_only=True)
+        if self.out_norms is not None:
+            feats = [n(f.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) for n, f in zip(self.out_norms, feats)]
+        return feats
+
+
+class ChannelMapper(nn.Module):
+    """1x1 conv + GroupNorm(32) per backbone level to `dim`, plus 3x3 stride-2 conv + GN extra levels, the first
+    on the last backbone map (MMD ChannelMapper, dino.md §1.2)."""
+
+    def __init__(self, in_channels: list[int], dim: int, levels: int) -> None:
+        super().__init__()
+        groups = min(32, dim)
+        self.lateral = nn.ModuleList(nn.Sequential(nn.Conv2d(c, dim, 1, bias=False), nn.GroupNorm(groups, dim))
+                                     for c in in_channels)
+        extra_in = [in_channels[-1]] + [dim] * (levels - len(in_channels) - 1)
+        self.extra = nn.ModuleList(nn.Sequential(nn.Conv2d(c, dim, 3, 2, 1, bias=False), nn.GroupNorm(groups, dim))
+                                   for c in extra_in[: levels - len(in_channels)])
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.xavier_uniform_(m.weight)
+
+    def forward(self, feats: list[torch.Tensor]) -> list[torch.Tensor]:
+        outs = [lat(f) for lat, f in zip(self.lateral, feats)]
+        x = feats[-1]
+        for conv in self.extra:
+            x = conv(x)
+            outs.append(x)
+        return outs
+
+
+class DINO(nn.Module):
+    def __init__(self, preset: str | DinoPreset, num_classes: int, drop_path: float | None = None,
+                 num_queries: int | None = None, dn_queries: int | None = None) -> None:
+        super().__init__()
+        p = DINO_PRESETS[preset]() if isinstance(preset, str) else preset
+        self.preset = p
+        self.num_classes = num_classes
+        self.num_queries = num_queries or p.queries
+        self.dn_queries = p.dn_queries if dn_queries is None else dn_queries
+        self.levels, d = p.levels, p.dim
+        self.backbone = Backbone(p, drop_path)
+        self.neck = ChannelMapper(self.backbone.channels, d, p.levels)
+        self.level_embed = nn.Parameter(torch.empty(p.levels, d))
+        self.encoder = Encoder(p.enc_layers, d, p.ffn, p.levels, p.heads, p.points)
+        self.decoder = Decoder(p.dec_layers, d, p.ffn, p.levels, p.heads, p.points)
+        # two-stage: proposals from the encoder memory
+        self.memory_proj = nn.Linear(d, d)
+        self.memory_norm = nn.LayerNorm(d)
+        # learned content queries; anchors come from the top-k proposals (mixed query selection)
+        self.query_embed = nn.Embedding(self.num_queries, d)
+        # denoising label embedding; index num_classes marks padding slots and stays zero
+        self.label_embed = nn.Embedding(num_classes + 1, d, padding_idx=num_classes)
+        # heads 0..L-1 for the decoder layers, head L for the encoder proposals
+        self.cls_heads = nn.ModuleList(nn.Linear(d, num_classes) for _ in range(p.dec_layers + 1))
+        self.reg_heads = nn.ModuleList(MLP(d, d, 4, 3) for _ in range(p.dec_layers + 1))
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        nn.init.normal_(self.level_embed)
+        nn.init.normal_(self.query_embed.weight)
+        bias = -math.log((1 - 0.01) / 0.01)  # prior probability 0.01 for focal loss
+        for h in self.cls_heads:
+            nn.init.constant_(h.bias, bias)
+        for h in self.reg_heads:
+            nn.init.zeros_(h.layers[-1].weight)
+            nn.init.zeros_(h.layers[-1].bias)
+
+    # ---- activation checkpointing --------------------------------------------------------------------------
+    def set_grad_checkpointing(self, parts: list[str]) -> None:
+        """Non-reentrant checkpointing per block of `backbone`, `encoder` and/or `decoder`."""
+        if "backbone" in parts:
+            timm.layers.set_reentrant_ckpt(False)
+            self.backbone.body.set_grad_checkpointing(True)
+        self.encoder.grad_ckpt = "encoder" in parts
+        self.decoder.grad_ckpt = "decoder" in parts
+
+    # ---- forward pieces ----------------------------------------------------------------------------------------
+    def _flatten(self, feats: list[torch.Tensor], mask: torch.Tensor):
+        srcs, masks, poss, shapes, ratios = [], [], [], [], []
+        for lvl, f in enumerate(feats):
+            b, _, h, w = f.shape
+            m = F.interpolate(mask[None].float(), size=(h, w))[0].bool()
+            pos = sine_position_2d(m, f.shape[1] // 2).to(f.dtype)
+            shapes.append((h, w))
+            valid_h = (~m[:, :, 0]).sum(1).float() / h
+            valid_w = (~m[:, 0, :]).sum(1).float() / w
+            ratios.append(torch.stack([valid_w, valid_h], -1))
+            srcs.append(f.flatten(2).transpose(1, 2))
+            masks.append(m.flatten(1))
+            poss.append(pos.flatten(2).transpose(1, 2) + self.level_embed[lvl].to(f.dtype))
+        return (torch.cat(srcs, 1), torch.cat(masks, 1), torch.cat(poss, 1), shapes,
+                torch.stack(ratios, 1).clamp(min=1e-3))
+
+    @staticmethod
+    def _proposals(memory: torch.Tensor, mask: torch.Tensor, shapes: list[tuple[int, int]]):
+        """One anchor per encoder token: its centre, size 0.05 * 2^level (normalised to the valid region).
+        Returns the anchors as logits (inf where padded/out of range) and a validity mask."""
+        props = []
+        start = 0
+        for lvl, (h, w) in enumerate(shapes):
+            m = mask[:, start:start + h * w].view(-1, h, w)
+            valid_h = (~m[:, :, 0]).sum(1)
+            valid_w = (~m[:, 0, :]).sum(1)
+            ys, xs = torch.meshgrid(torch.arange(h, device=memory.device), torch.arange(w, device=memory.device),
+                                    indexing="ij")
+            scale = torch.stack([valid_w, valid_h], -1).float().view(-1, 1, 1, 2)
+            grid = (torch.stack([xs, ys], -1).float()[None] + 0.5) / scale
+            wh = torch.full_like(grid, 0.05 * 2.0**lvl)
+            props.append(torch.cat([grid, wh], -1).view(memory.shape[0], -1, 4))
+            start += h * w
+        props = torch.cat(props, 1)
+        valid = ((props > 0.01) & (props < 0.99)).all(-1) & ~mask
+        logit = torch.log(props / (1 - props)).masked_fill(~valid[..., None], float("inf"))
+        return logit, valid
+
+    def forward(self, images: torch.Tensor, masks: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                boxes: torch.Tensor | None = None, num_targets: torch.Tensor | None = None) -> dict:
+        """images (B, 3, H, W), masks (B, H, W) True on padding; targets padded: labels (B, M), boxes (B, M, 4)
+        cxcywh normalised to each image's unpadded size, num_targets (B,)."""
+        b = images.shape[0]
+        if masks is None:
+            masks = torch.zeros(b, *images.shape[-2:], dtype=torch.bool, device=images.device)
+        feats = self.neck(self.backbone(images))
+        src, mask, pos, shapes, ratios = self._flatten(feats, masks)
+        memory = self.encoder(src, pos, shapes, ratios, mask)
+
+        # two-stage mixed query selection: top-k proposals give anchors, content queries are learned
+        anchors, valid = self._proposals(memory, mask, shapes)
+        mem = self.memory_norm(self.memory_proj(memory.masked_fill(~valid[..., None], 0.0)))
+        enc_logits = self.cls_heads[-1](mem)
+        enc_coord = self.reg_heads[-1](mem).float() + anchors
+        k = min(self.num_queries, mem.shape[1])
+        score = enc_logits.detach().float().max(-1)[0].masked_fill(~valid, float("-inf"))
+        topk = score.topk(k, dim=1)[1]
+        enc_logits_k = enc_logits.gather(1, topk[..., None].expand(-1, -1, self.num_classes))
+        enc_coord_k = enc_coord.gather(1, topk[..., None].expand(-1, -1, 4))
+        query = self.query_embed(torch.arange(k, device=images.device))[None].expand(b, -1, -1)
+        reference = enc_coord_k.detach()
+
+        training = labels is not None
+        dn = None
+        if training:
+            dn = build_denoising(labels, boxes, num_targets, self.num_classes, k, self.dn_queries)
+        if dn is not None:
+            query = torch.cat([self.label_embed(dn.label_ids).to(query.dtype), query], 1)
+            reference = torch.cat([dn.boxes_unact, reference], 1)
+        attn_mask = dn.attn_mask if dn is not None else None
+        hidden, refs = self.decoder(query, reference.sigmoid(), memory, shapes, ratios, mask, attn_mask,
+                                    self.reg_heads)
+        logits, coords = [], []
+        for i, (h, r) in enumerate(zip(hidden, refs)):
+            logits.append(self.cls_heads[i](h).float())
+            coords.append((self.reg_heads[i](h).float() + inverse_sigmoid(r.float())).sigmoid())
+        n_dn = dn.num_queries if dn is not None else 0
+        out = {"logits": [x[:, n_dn:] for x in logits], "boxes": [x[:, n_dn:] for x in coords],
+               "enc_logits": enc_logits_k.float(), "enc_boxes": enc_coord_k.sigmoid()}
+        if not training:
+            return {"pred_logits": out["logits"][-1], "pred_boxes": out["boxes"][-1]}
+        if dn is not None:
+            out["dn_logits"] = [x[:, :n_dn] for x in logits]
+            out["dn_boxes"] = [x[:, :n_dn] for x in coords]
+        losses = dino_loss(out, labels, boxes, num_targets, dn)
+        if dn is None:
+            # no targets in this batch: touch the denoising embedding so every rank's gradients have the same
+            # set of parameters (DDP/ZeRO reduce all of them)
+            losses["loss"] = losses["loss"] + 0.0 * self.label_embed(num_targets[:1].long()).sum()
+        return losses
+
+
+@torch.no_grad()
+def postprocess(pred_logits: torch.Tensor, pred_boxes: torch.Tensor, orig_sizes: torch.Tensor,
+                top_k: int = 300) -> list[dict[str, torch.Tensor]]:
+    """Top-k (query, class) pairs by sigmoid score per image (test_cfg.max_per_img=300, dino.md §1.1); boxes
+    as xyxy in original image pixels (orig_sizes: (B, 2) as (h, w))."""
+    b, q, c = pred_logits.shape
+    prob = pred_logits.float().sigmoid().view(b, -1)
+    k = min(top_k, q * c)
+    scores, idx = prob.topk(k, dim=1)
+    labels = idx % c
+    boxes = box_convert(pred_boxes.float(), "cxcywh", "xyxy").gather(1, (idx // c)[..., None].expand(-1, -1, 4))
+    h, w = orig_sizes.float().unbind(1)
+    boxes = boxes * torch.stack([w, h, w, h], 1)[:, None]
+    return [{"scores": s, "labels": lab, "boxes": bx} for s, lab, bx in zip(scores, labels, boxes)]
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    parts = {"backbone": model.backbone, "neck": model.neck}
+    out = {k: sum(p.numel() for p in m.parameters()) for k, m in parts.items()}
+    out["total"] = sum(p.numel() for p in model.parameters())
+    out["transformer_and_heads"] = out["total"] - out["backbone"] - out["neck"]
+    return out

@@ -1,0 +1,180 @@
+"""DINO's deformable transformer: sine positions, encoder, two-stage query selection, refining decoder.
+
+Sizes and constants follow the recipe in ../shared/reference/dino.md §1 (6+6 layers, 256-d, 8 heads, 4 points,
+FFN 2048, dropout 0, sine positions with temperature 20, 900 queries). Blocks are named `...Block` so the
+engine's per-block FSDP2 sharding and activation checkpointing find them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from vtrain.models.dino.msda import MSDeformAttn
+
+
+def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+    x = x.clamp(0, 1)
+    return torch.log(x.clamp(min=eps) / (1 - x).clamp(min=eps))
+
+
+def sine_position_2d(mask: torch.Tensor, num_feats: int, temperature: float = 20.0,
+                     offset: float = 0.0) -> torch.Tensor:
+    """(B, H, W) padding mask -> (B, 2*num_feats, H, W) normalised sine/cosine positions over the valid region
+    (MMD base config: normalize=True, offset 0.0, temperature 20; dino.md §1.1)."""
+    not_mask = (~mask).float()
+    y = not_mask.cumsum(1)
+    x = not_mask.cumsum(2)
+    eps, scale = 1e-6, 2 * math.pi
+    y = (y + offset) / (y[:, -1:, :] + eps) * scale
+    x = (x + offset) / (x[:, :, -1:] + eps) * scale
+    dim_t = torch.arange(num_feats, dtype=torch.float32, device=mask.device)
+    dim_t = temperature ** (2 * (dim_t // 2) / num_feats)
+    px = x[..., None] / dim_t
+    py = y[..., None] / dim_t
+    px = torch.stack([px[..., 0::2].sin(), px[..., 1::2].cos()], -1).flatten(3)
+    py = torch.stack([py[..., 0::2].sin(), py[..., 1::2].cos()], -1).flatten(3)
+    return torch.cat([py, px], -1).permute(0, 3, 1, 2)
+
+
+def sine_position_boxes(boxes: torch.Tensor, num_feats: int) -> torch.Tensor:
+    """(B, Q, 4) cxcywh in [0, 1] -> (B, Q, 4*num_feats), ordered y, x, w, h (DINO's query positions)."""
+    scale = 2 * math.pi
+    dim_t = torch.arange(num_feats, dtype=torch.float32, device=boxes.device)
+    dim_t = 10000 ** (2 * (dim_t // 2) / num_feats)
+    parts = []
+    for i in (1, 0, 2, 3):
+        p = boxes[..., i, None].float() * scale / dim_t
+        parts.append(torch.stack([p[..., 0::2].sin(), p[..., 1::2].cos()], -1).flatten(2))
+    return torch.cat(parts, -1)
+
+
+class MLP(nn.Module):
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, layers: int) -> None:
+        super().__init__()
+        dims = [in_dim] + [hidden] * (layers - 1) + [out_dim]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.relu(x)
+        return x
+
+
+class FFN(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(F.relu(self.fc1(x))))
+
+
+class EncoderBlock(nn.Module):
+    """Deformable self-attention over all levels + FFN, post-norm."""
+
+    def __init__(self, dim: int, ffn: int, levels: int, heads: int, points: int) -> None:
+        super().__init__()
+        self.attn = MSDeformAttn(dim, levels, heads, points)
+        self.norm = nn.LayerNorm(dim)
+        self.ffn = FFN(dim, ffn)
+
+    def forward(self, src: torch.Tensor, pos: torch.Tensor, reference_points: torch.Tensor,
+                spatial_shapes: list[tuple[int, int]], padding_mask: torch.Tensor) -> torch.Tensor:
+        src = self.norm(src + self.attn(src + pos, reference_points, src, spatial_shapes, padding_mask))
+        return self.ffn(src)
+
+
+class DecoderBlock(nn.Module):
+    """Self-attention among queries (masked for denoising groups), deformable cross-attention, FFN."""
+
+    def __init__(self, dim: int, ffn: int, levels: int, heads: int, points: int) -> None:
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm1 = nn.LayerNorm(dim)
+        self.cross_attn = MSDeformAttn(dim, levels, heads, points)
+        self.norm2 = nn.LayerNorm(dim)
+        self.ffn = FFN(dim, ffn)
+
+    def forward(self, tgt: torch.Tensor, query_pos: torch.Tensor, reference_points: torch.Tensor,
+                memory: torch.Tensor, spatial_shapes: list[tuple[int, int]], memory_mask: torch.Tensor,
+                attn_mask: torch.Tensor | None) -> torch.Tensor:
+        q = tgt + query_pos
+        tgt = self.norm1(tgt + self.self_attn(q, q, tgt, attn_mask=attn_mask, need_weights=False)[0])
+        tgt = self.norm2(tgt + self.cross_attn(tgt + query_pos, reference_points, memory, spatial_shapes,
+                                               memory_mask))
+        return self.ffn(tgt)
+
+
+def _maybe_checkpoint(enabled: bool, fn, *args):
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+class Encoder(nn.Module):
+    def __init__(self, layers: int, dim: int, ffn: int, levels: int, heads: int, points: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderBlock(dim, ffn, levels, heads, points) for _ in range(layers))
+        self.grad_ckpt = False
+
+    @staticmethod
+    def reference_points(spatial_shapes: list[tuple[int, int]], valid_ratios: torch.Tensor) -> torch.Tensor:
+        """Pixel centres of every level, normalised to the valid region, then mapped into each level:
+        (B, S, L, 2)."""
+        refs = []
+        for lvl, (h, w) in enumerate(spatial_shapes):
+            ys, xs = torch.meshgrid(torch.linspace(0.5, h - 0.5, h, device=valid_ratios.device),
+                                    torch.linspace(0.5, w - 0.5, w, device=valid_ratios.device), indexing="ij")
+            ys = ys.reshape(1, -1) / (valid_ratios[:, None, lvl, 1] * h)
+            xs = xs.reshape(1, -1) / (valid_ratios[:, None, lvl, 0] * w)
+            refs.append(torch.stack([xs, ys], -1))
+        ref = torch.cat(refs, 1)
+        return ref[:, :, None] * valid_ratios[:, None]
+
+    def forward(self, src, pos, spatial_shapes, valid_ratios, padding_mask):
+        ref = self.reference_points(spatial_shapes, valid_ratios)
+        for layer in self.layers:
+            src = _maybe_checkpoint(self.grad_ckpt, lambda s, p, r, m, layer=layer: layer(s, p, r, spatial_shapes, m),
+                                    src, pos, ref, padding_mask)
+        return src
+
+
+class Decoder(nn.Module):
+    """Iterative box refinement with look-forward-twice: the box predicted by layer i is
+    sigmoid(delta_i + logit(ref_{i-1})) with ref_{i-1} *not* detached (its gradient reaches layer i-1), while
+    the reference the next layer samples from is detached (DINO §3.5; MMD DinoTransformerDecoder)."""
+
+    def __init__(self, layers: int, dim: int, ffn: int, levels: int, heads: int, points: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderBlock(dim, ffn, levels, heads, points) for _ in range(layers))
+        self.ref_point_head = MLP(2 * dim, dim, dim, 2)
+        self.norm = nn.LayerNorm(dim)
+        self.dim = dim
+        self.grad_ckpt = False
+
+    def forward(self, query, reference, memory, spatial_shapes, valid_ratios, memory_mask, attn_mask,
+                reg_branches: nn.ModuleList) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """query (B, Q, D); reference (B, Q, 4) sigmoid boxes. Returns per layer the normed hidden states and
+        the reference boxes each layer's prediction starts from (undetached)."""
+        hidden, refs = [], [reference]
+        ratios = torch.cat([valid_ratios, valid_ratios], -1)[:, None]  # (B, 1, L, 4)
+        for i, layer in enumerate(self.layers):
+            ref_input = reference.detach()[:, :, None] * ratios
+            query_pos = self.ref_point_head(sine_position_boxes(ref_input[:, :, 0], self.dim // 2).to(query.dtype))
+            query = _maybe_checkpoint(
+                self.grad_ckpt,
+                lambda q, qp, r, m, layer=layer: layer(q, qp, r, m, spatial_shapes, memory_mask, attn_mask),
+                query, query_pos, ref_input, memory)
+            new_ref = (reg_branches[i](query).float() + inverse_sigmoid(reference.detach().float())).sigmoid()
+            hidden.append(self.norm(query))
+            refs.append(new_ref)
+            reference = new_ref.detach()
+        return hidden, refs[:-1]

@@ -1,0 +1,174 @@
+"""DINO detection: COCO-format data (built-in demo shapes by default), the DINO model, COCO box AP."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.table import Table
+from torch.utils.data import DataLoader, Subset
+
+from vtrain.config import RunConfig
+from vtrain.data.coco import CocoDetection, collate
+from vtrain.data.demo_shapes import ensure_demo_shapes
+from vtrain.errors import VtrainError
+from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
+from vtrain.models.backbones import load_backbone_weights, read_state_dict
+from vtrain.models.dino import DINO, postprocess
+
+GRAD_CKPT_PARTS = ("backbone", "encoder", "decoder")
+
+
+@dataclass
+class CocoPaths:
+    train_ann: Path | None
+    train_images: Path | None
+    val_ann: Path | None
+    val_images: Path | None
+
+
+def resolve_coco_data(data) -> CocoPaths:
+    """--data DIR in COCO layout (annotations/instances_{train,val}2017.json, train2017/, val2017/) or `demo`;
+    explicit --train-ann/--train-images/--val-ann/--val-images win over the layout."""
+    root = ensure_demo_shapes() if data.path == "demo" else Path(data.path)
+
+    def pick(explicit: str | None, default: Path) -> Path | None:
+        if explicit:
+            return Path(explicit)
+        return default if default.exists() else None
+
+    if not root.is_dir():
+        raise VtrainError(f"--data: not a directory: {root}")
+    train_ann = pick(data.train_ann, root / "annotations" / "instances_train2017.json")
+    train_images = pick(data.train_images, root / "train2017")
+    val_ann = pick(data.val_ann, root / "annotations" / "instances_val2017.json")
+    val_images = pick(data.val_images, root / "val2017")
+    if (val_ann is None) != (val_images is None):
+        raise VtrainError("--val-ann and --val-images go together (one of them is missing)")
+    return CocoPaths(train_ann, train_images, val_ann, val_images)
+
+
+class DinoTask:
+    name = "dino"
+    collate_fn = staticmethod(collate)
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        for part in cfg.model.grad_ckpt:
+            if part not in GRAD_CKPT_PARTS:
+                raise VtrainError(f"--grad-ckpt: unknown part {part!r} for --task dino; parts: "
+                                  f"{', '.join(GRAD_CKPT_PARTS)}")
+        self.paths = resolve_coco_data(cfg.data)
+        self.size = cfg.model.image_size
+        self.max_size = cfg.data.max_size or round(self.size * 1333 / 800)  # test resize 800/1333 (dino.md §1.1)
+        self._train: CocoDetection | None = None
+        self._val: CocoDetection | None = None
+        self.notes: list[str] = []
+
+    # ---- data ---------------------------------------------------------------------------------------------
+    def train_dataset(self) -> CocoDetection:
+        if self._train is None:
+            if self.paths.train_ann is None or self.paths.train_images is None:
+                raise VtrainError(f"--data: {self.cfg.data.path} is not in COCO layout "
+                                  "(annotations/instances_train2017.json and train2017/); give --train-ann and "
+                                  "--train-images")
+            self._train = CocoDetection(self.paths.train_ann, self.paths.train_images, self.size, self.max_size,
+                                        train=True, seed=self.cfg.train.seed)
+            self.notes.append(self._train.report.summary("train data"))
+        return self._train
+
+    def val_dataset(self) -> CocoDetection | None:
+        if self._val is None and self.paths.val_ann is not None:
+            self._val = CocoDetection(self.paths.val_ann, self.paths.val_images, self.size, self.max_size,
+                                      train=False)
+        return self._val
+
+    @staticmethod
+    def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: batch[k] for k in ("images", "masks", "labels", "boxes", "num_targets")}
+
+    # ---- model --------------------------------------------------------------------------------------------
+    def build_model(self, num_classes: int | None = None) -> DINO:
+        m = self.cfg.model
+        n = num_classes if num_classes is not None else self.train_dataset().num_classes
+        model = DINO(m.preset, n, m.drop_path, m.num_queries, m.dn_queries)
+        model.set_grad_checkpointing(m.grad_ckpt)
+        return model
+
+    def load_pretrained(self, model: DINO) -> str:
+        """--pretrained: a full detector file (vtrain keys) or a backbone file in timm or original Swin/ResNet
+        layout. Class-specific tensors of another class count are left at their initialisation."""
+        path = self.cfg.model.pretrained
+        sd = read_state_dict(path)
+        if any(k.startswith("backbone.body.") for k in sd):
+            own = model.state_dict()
+            unexpected = [k for k in sd if k not in own]
+            reinit = [k for k in sd if k in own and sd[k].shape != own[k].shape]
+            keep = {k: v for k, v in sd.items() if k in own and k not in reinit}
+            res = model.load_state_dict(keep, strict=False)
+            missing = [k for k in res.missing_keys if k not in reinit]
+            return (f"loaded detector {path}: missing {len(missing)} {missing[:3]}, unexpected "
+                    f"{len(unexpected)} {unexpected[:3]}, re-initialised (other shape) {len(reinit)} {reinit[:3]}")
+        missing, unexpected = load_backbone_weights(model.backbone.body, sd)
+        return (f"loaded backbone {path}: missing {len(missing)} {missing[:3]}, unused {len(unexpected)} "
+                f"{unexpected[:3]}")
+
+    # ---- evaluation ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, forward: Callable[..., dict[str, torch.Tensor]], device: torch.device, rank: int = 0,
+                 world: int = 1, input_dtype: torch.dtype = torch.float32,
+                 save_predictions: str | Path | None = None) -> dict[str, Any] | None:
+        """COCO box AP over all ranks: each rank runs an equal-length shard (sharded engines need every rank in
+        every forward), detections are gathered, rank 0 scores them with COCOeval."""
+        ds = self.val_dataset()
+        if ds is None:
+            return None
+        n = len(ds)
+        per_rank = -(-n // world)
+        mine = list(range(rank * per_rank, (rank + 1) * per_rank))
+        order = [min(i, n - 1) for i in mine]  # pad with the last image; its duplicates are not scored
+        loader = DataLoader(Subset(ds, order), batch_size=self.cfg.train.batch_size, collate_fn=collate,
+                            num_workers=min(self.cfg.data.num_workers, 2))
+        dets: list[dict[str, Any]] = []
+        pos = 0
+        for batch in loader:
+            out = forward(images=batch["images"].to(device, input_dtype), masks=batch["masks"].to(device))
+            results = postprocess(out["pred_logits"], out["pred_boxes"], batch["orig_size"].to(device))
+            for image_id, r in zip(batch["image_id"].tolist(), results):
+                if mine[pos] < n:
+                    dets += coco_detections(image_id, r["boxes"].cpu().numpy(), r["scores"].cpu().numpy(),
+                                            r["labels"].cpu().numpy(), ds.cat_ids)
+                pos += 1
+        if world > 1:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, dets)
+            dets = [d for part in gathered for d in part]
+        if rank != 0:
+            return None
+        if save_predictions:
+            write_json_atomic(save_predictions, dets)
+        return coco_box_metrics(ds.coco, dets)
+
+    @staticmethod
+    def metrics_table(metrics: dict[str, Any], title: str = "COCO box AP") -> Table:
+        t = Table(title=title)
+        cols = ("AP", "AP50", "AP75", "APs", "APm", "APl")
+        for c in cols:
+            t.add_column(c, justify="right")
+        t.add_row(*("-" if metrics.get(c) is None else f"{100 * metrics[c]:.1f}" for c in cols))
+        t.caption = f"{metrics.get('images', 0)} images, {metrics.get('detections', 0)} detections"
+        return t
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
