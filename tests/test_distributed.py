@@ -163,10 +163,44 @@ def test_resume_on_another_world_size(engine, faces, tmp_path):
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-4, msg=k)
 
 
-def test_deepspeed_refuses_another_world_size(faces, tmp_path):
-    out = tmp_path / "run"
-    ok(_run("zero2", out, faces, "--max-steps", "1", "--save-every", "1", "--batch-size", "4"))
-    proc = vtrain("train", "--data", str(faces), "--output-dir", str(out), *BASE, "--ds-config",
-                  "ds_configs/zero2.json", "--max-steps", "2", "--batch-size", "8", "--resume", "auto")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "saved by 2 DeepSpeed processes" in proc.stderr
+def test_deepspeed_resumes_on_another_world_size_via_universal_checkpoint(faces, tmp_path):
+    """ZeRO-2 saved by 2 processes (batch 4 each), resumed by 1 (batch 8) through DeepSpeed's universal checkpoint:
+    the same samples, optimizer state and schedule, so the same losses as the uninterrupted 2-process run."""
+    args = ["--max-steps", "4", "--save-every", "2", "--mixed-precision", "no", "--neck-norm", "ln"]
+    full, moved = tmp_path / "full", tmp_path / "moved"
+    ok(_run("zero2", full, faces, *args, "--batch-size", "4"))
+    proc = _run("zero2", moved, faces, *args, "--batch-size", "4", extra_env={"VTRAIN_DEBUG_CRASH_AT_STEP": "3"})
+    assert proc.returncode != 0
+    proc = ok(vtrain("train", "--data", str(faces), "--output-dir", str(moved), *BASE, *args, "--ds-config",
+                     "ds_configs/zero2.json", "--batch-size", "8", "--resume", "auto"))
+    assert "resharded: saved by 2 processes, resumed on 1" in proc.stdout
+    assert (moved / "universal" / "step_2" / "latest_universal").is_file()
+    a = {r["step"]: r for r in metrics(full)}
+    b = {r["step"]: r for r in metrics(moved)}
+    for step in (3, 4):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-4)
+        assert b[step]["lr"] == pytest.approx(a[step]["lr"])
+    wa, wb = final_weights(full), final_weights(moved)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-4, msg=k)
+
+
+def test_deepspeed_universal_resume_restores_batchnorm_buffers(faces, tmp_path):
+    """DeepSpeed's universal load leaves buffers at their fresh initialisation; vtrain restores them. With the
+    same weights and samples, BatchNorm's running mean after the first resumed step is the same whether the
+    batch of 8 is split over 2 processes (then averaged) or seen by 1."""
+    args = ["--max-steps", "3", "--save-every", "1", "--mixed-precision", "no", "--keep-last", "3"]
+    full, moved = tmp_path / "full", tmp_path / "moved"
+    ok(_run("zero3_offload", full, faces, *args, "--batch-size", "4"))
+    proc = _run("zero3_offload", moved, faces, *args, "--batch-size", "4",
+                extra_env={"VTRAIN_DEBUG_CRASH_AT_STEP": "3"})
+    assert proc.returncode != 0
+    proc = ok(vtrain("train", "--data", str(faces), "--output-dir", str(moved), *BASE, *args, "--ds-config",
+                     "ds_configs/zero3_offload.json", "--batch-size", "8", "--resume", "auto"))
+    assert "resharded: saved by 2 processes, resumed on 1" in proc.stdout
+    wa, wb = final_weights(full), final_weights(moved)
+    saved = load_file(str(complete_checkpoints(moved)[-2] / "model.safetensors"))  # step 2, before the resume
+    assert not torch.allclose(saved["neck.norm.running_mean"], torch.zeros_like(saved["neck.norm.running_mean"]))
+    torch.testing.assert_close(wb["neck.norm.running_mean"], wa["neck.norm.running_mean"], rtol=1e-4, atol=1e-6)
+    assert int(wb["neck.norm.num_batches_tracked"]) == int(wa["neck.norm.num_batches_tracked"]) == 3
+    assert metrics(moved)[-1]["lr"] == pytest.approx(metrics(full)[-1]["lr"])

@@ -70,6 +70,9 @@ DINO_PRESETS: dict[str, Callable[[], DinoPreset]] = {
                                 "tiny Swin + 64-d 2+2-layer DINO for tests and the CPU demo", out_norm=True,
                                 dim=64, ffn=128, enc_layers=2, dec_layers=2, heads=4, points=4, queries=100,
                                 dn_queries=20),
+    "debug-resnet": lambda: DinoPreset("resnet10t", (2, 3, 4), 4, {}, "ResNet-10-T + 64-d 2+2-layer DINO (CPU demo)",
+                                       dim=64, ffn=128, enc_layers=2, dec_layers=2, heads=4, points=4, queries=100,
+                                       dn_queries=20),
     # MMD dino-5scale_swin-l_8xb2-12e_coco: embed 192, depths 2/2/18/2, window 12, drop-path 0.2 (dino.md §1.2)
     "swin-l": lambda: DinoPreset("swin_large_patch4_window12_384", (0, 1, 2, 3), 5, dict(_SWIN),
                                  "Swin-L/12 (384, IN-22k layout), DINO 5-scale (strides 4-64)", drop_path=0.2,

@@ -289,6 +289,54 @@ class ParallelEngine:
         if self.scaler is not None and (path / "scaler.pt").is_file():
             self.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
 
+    def load_resharded_deepspeed(self, path: Path, work_dir: Path) -> None:
+        """Resume a ZeRO checkpoint saved by another number of processes: convert it once to DeepSpeed's universal
+        format (rank 0, into `work_dir`, atomically), load that (the engine was built with "load_universal"), then
+        restore what the universal load leaves at its fresh initialisation: BatchNorm (and other) buffers and
+        frozen parameters (memory_ckpt.md §4), taken from the checkpoint's full fp32 model.safetensors.
+        Per-rank RNG states are not restored (there is no rank-to-rank mapping); the data position is."""
+        import contextlib
+        import io
+        import shutil
+        from types import SimpleNamespace
+
+        import deepspeed
+        from safetensors.torch import load_file
+
+        src = path / "accelerate" / "pytorch_model"
+        dst = work_dir / "universal" / path.name
+        if not src.is_dir():
+            raise VtrainError(f"--resume: {path} holds no DeepSpeed checkpoint ({src} is missing)")
+        if self.accelerator.is_main_process and not (dst / "latest_universal").is_file():
+            from deepspeed.checkpoint import ds_to_universal
+
+            tmp = dst.with_name(f".tmp-{dst.name}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            args = SimpleNamespace(input_folder=str(src), output_folder=str(tmp / "pytorch_model"),
+                                   num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                   inject_missing_state=True)
+            with contextlib.redirect_stdout(io.StringIO()):
+                ds_to_universal.main(args)
+            (tmp / "latest_universal").write_text("pytorch_model")
+            tmp.rename(dst)
+        self.accelerator.wait_for_everyone()
+        self.model.load_checkpoint(str(dst), tag="pytorch_model", load_optimizer_states=True,
+                                   load_lr_scheduler_states=False)
+        full = load_file(str(path / "model.safetensors"))
+        module = self.model.module
+        with torch.no_grad():
+            for name, b in _persistent_buffers(module):
+                b.copy_(full[name].to(b.dtype))
+            for name, p in module.named_parameters():
+                if p.requires_grad:
+                    continue
+                if self.plan.zero_stage == 3:
+                    with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                        if self.accelerator.is_main_process:
+                            p.copy_(full[name].to(p.dtype))
+                else:
+                    p.copy_(full[name].to(p.dtype))
+
     # ---- what is really active -----------------------------------------------------------------------------
     def active(self) -> dict[str, Any]:
         """Facts read from the live objects (not from flags), for this rank."""

@@ -41,12 +41,20 @@ class Trainer:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         t = cfg.train
-        # 1. launch plan, then the process group: everything below may run collectives.
+        # 1. launch plan, then the process group: everything below may run collectives. A ZeRO checkpoint of
+        # another world size is loaded in DeepSpeed's universal format, which must be set before the engine exists.
         self.plan = resolve_plan(cfg)
+        self.out = Path(t.output_dir)
+        self.resumed_from = ckpt.resolve_resume(t.resume, self.out)
+        self.reshard_deepspeed = False
+        if self.resumed_from is not None and self.plan.kind == "deepspeed":
+            saved = torch.load(self.resumed_from / "train_state.pt", weights_only=False)
+            if saved["world_size"] != self.plan.world_size and saved["engine"] == "deepspeed":
+                self.plan.ds_config.setdefault("checkpoint", {})["load_universal"] = True
+                self.reshard_deepspeed = True
         self.accelerator = build_accelerator(self.plan, t.grad_accum)
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
-        self.out = Path(t.output_dir)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             cfg.save(self.out / "config.yaml")
@@ -90,7 +98,6 @@ class Trainer:
         self.overflow_skips = 0
         self.consecutive_nonfinite = 0
         self.logger_notes: list[str] = []
-        self.resumed_from = ckpt.resolve_resume(t.resume, self.out)
         if self.resumed_from is not None:
             self._load(self.resumed_from)
         self.logger = RunLogger(self.out, self.is_main, self.total_steps, self.step)
@@ -307,12 +314,11 @@ class Trainer:
         kind = "ddp" if self.plan.kind == "single" else self.plan.kind
         if saved_kind != kind:
             raise VtrainError(f"--resume: {path} was saved with {state['engine']}, this run uses {self.plan.kind}")
-        if state["world_size"] != self.world and kind == "deepspeed":
-            # DeepSpeed's own loader refuses another DP world size; its universal-checkpoint route does not
-            # restore BatchNorm buffers or frozen parameters (memory_ckpt.md §3-4).
-            raise VtrainError(f"--resume: {path} was saved by {state['world_size']} DeepSpeed processes, this run "
-                              f"has {self.world}; resuming ZeRO on another world size is not supported yet")
-        self.engine.load(path)
+        if self.reshard_deepspeed:
+            # DeepSpeed's own loader refuses another DP world size: universal checkpoint route (parallel.py)
+            self.engine.load_resharded_deepspeed(path, self.out)
+        else:
+            self.engine.load(path)
         self.scheduler.load_state_dict(state["scheduler"])
         self.engine.set_lrs(self.scheduler.get_last_lr())  # LambdaLR.load_state_dict leaves the optimizer alone
         self.step = state["step"]
