@@ -23,6 +23,12 @@ demo: $(STAMP)
 		--weight-decay 0.05 --warmup-steps 20 --mixed-precision bf16 \
 		--log-every 25 --eval-every 150 --save-every 150 --keep-last 2
 	$(VENV)/bin/vtrain eval --checkpoint runs/demo --data demo
+	rm -rf runs/demo-dino
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/vtrain train --task dino --model debug-resnet --data demo \
+		--output-dir runs/demo-dino --image-size 192 --batch-size 4 --max-steps 600 --lr 1e-3 \
+		--backbone-lr-mult 1 --clip-grad 1.0 --mixed-precision no --num-workers 1 \
+		--log-every 50 --eval-every 300 --save-every 300 --keep-last 1
+	$(VENV)/bin/vtrain eval --task dino --checkpoint runs/demo-dino --save-predictions runs/demo-dino/predictions.json
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout 900 tests

@@ -184,6 +184,45 @@ def consolidate_cmd(
         console.print(f"wrote {f}", soft_wrap=True)
 
 
+@app.command("estimate-memory")
+def estimate_memory_cmd(
+    model: Annotated[Optional[str], typer.Option("--model", help="Preset (see `vtrain presets`)")] = None,
+    task: Annotated[Optional[Task], typer.Option(help="dino (default) or metric")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Per-GPU micro-batch")] = None,
+    image_size: Annotated[Optional[str], typer.Option(help="HxW or S, e.g. 800x1333 (DINO) or 112 (metric)")] = None,
+    mixed_precision: Annotated[Optional[Precision], typer.Option(help="no, bf16 or fp16")] = None,
+    grad_ckpt: Annotated[Optional[str], typer.Option(help="Comma list: backbone,encoder,decoder")] = None,
+    zero: Annotated[Optional[int], typer.Option(help="DeepSpeed ZeRO stage 0-3 (0: DDP)")] = None,
+    fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="FSDP2 instead of DDP/ZeRO")] = None,
+    offload: Annotated[Optional[str], typer.Option(help="none, optimizer or all")] = None,
+    gpus: Annotated[int, typer.Option(help="Data-parallel GPUs")] = 1,
+    num_classes: Annotated[Optional[int], typer.Option(help="Classes (DINO: 80) or identities (metric)")] = None,
+    gpu_memory: Annotated[float, typer.Option(help="GiB per GPU for the largest-batch answer")] = 24.0,
+    config: Annotated[Optional[Path], typer.Option(help="A `vtrain train` YAML: estimate that exact run")] = None,
+    ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (stage, offload, buckets, bf16)")] = None,
+    compare_gc: Annotated[bool, typer.Option(help="Also trace the other checkpointing choices (slower)")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object")] = False,
+) -> None:
+    """Predict per-GPU training memory from the real model, without a GPU (fake tensors, one traced step)."""
+    from rich.console import Console
+
+    from vtrain.engine.memory import estimate_report, setup_from
+
+    setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
+                       precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
+                       fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
+                       ds_config=ds_config)
+    report = estimate_report(setup, gpu_memory, compare_gc)
+    if as_json:
+        print(json.dumps(report))
+        return
+    from vtrain.engine.memory_table import render
+
+    console = Console(width=160, highlight=False)  # the table is wide: never squeeze it into 80 columns
+    for item in render(report):
+        console.print(item, soft_wrap=isinstance(item, str))
+
+
 @app.command()
 def presets() -> None:
     """List model presets with parameter counts (built on the meta device: instant, no memory)."""

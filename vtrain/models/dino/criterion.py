@@ -12,21 +12,34 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torchvision.ops import box_convert, generalized_box_iou_loss, sigmoid_focal_loss
+from torchvision.ops import box_convert, sigmoid_focal_loss
 
 from vtrain.models.dino.denoising import DenoisingGroups
-from vtrain.models.dino.matcher import hungarian_match
+from vtrain.models.dino.matcher import host_list, hungarian_match
 
 WEIGHTS = {"cls": 1.0, "bbox": 5.0, "giou": 2.0}
 
 
 def global_num_boxes(num_targets: torch.Tensor) -> float:
     """Mean number of target boxes per process over all processes, at least 1."""
-    n = num_targets.sum().double().reshape(1)
+    total = float(sum(host_list(num_targets)))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        n = torch.tensor([total], dtype=torch.float64, device=num_targets.device)  # NCCL needs a CUDA tensor
         dist.all_reduce(n)
-        n /= dist.get_world_size()
-    return max(float(n.item()), 1.0)
+        total = float(n.item()) / dist.get_world_size()
+    return max(total, 1.0)
+
+
+def giou_loss(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """1 - GIoU of paired xyxy boxes, elementwise. (torchvision's generalized_box_iou_loss indexes with a boolean
+    mask, which the memory estimator's fake tensors cannot trace; the math is the same.)"""
+    lt, rb = torch.max(a[:, :2], b[:, :2]), torch.min(a[:, 2:], b[:, 2:])
+    inter = (rb - lt).clamp(min=0).prod(1)
+    area_a = (a[:, 2:] - a[:, :2]).prod(1)
+    area_b = (b[:, 2:] - b[:, :2]).prod(1)
+    union = area_a + area_b - inter
+    hull = (torch.max(a[:, 2:], b[:, 2:]) - torch.min(a[:, :2], b[:, :2])).clamp(min=0).prod(1)
+    return 1 - inter / (union + eps) + (hull - union) / (hull + eps)
 
 
 def _set_losses(logits: torch.Tensor, boxes: torch.Tensor, q_idx: list[torch.Tensor], tgt_labels: torch.Tensor,
@@ -44,8 +57,7 @@ def _set_losses(logits: torch.Tensor, boxes: torch.Tensor, q_idx: list[torch.Ten
     src = boxes[batch, qs].float()
     tgt = tgt_boxes[batch, ts].float()
     l1 = F.l1_loss(src, tgt, reduction="sum") / num_boxes
-    giou = generalized_box_iou_loss(box_convert(src, "cxcywh", "xyxy"), box_convert(tgt, "cxcywh", "xyxy"),
-                                    reduction="sum") / num_boxes
+    giou = giou_loss(box_convert(src, "cxcywh", "xyxy"), box_convert(tgt, "cxcywh", "xyxy")).sum() / num_boxes
     return {"cls": cls, "bbox": l1, "giou": giou}
 
 
@@ -77,7 +89,7 @@ def dino_loss(out: dict, labels: torch.Tensor, boxes: torch.Tensor, num_targets:
         if dn is not None:
             # positives reconstruct their own target; negatives (and padding slots) are trained to "no object"
             q_idx, t_idx = [], []
-            for i, n in enumerate(num_targets.tolist()):
+            for i, n in enumerate(host_list(num_targets)):
                 q_idx.append(dn.positive_slots(i, n))
                 t_idx.append(torch.arange(n, device=labels.device).repeat(dn.groups))
             for i, (lg, bx) in enumerate(zip(out["dn_logits"], out["dn_boxes"])):

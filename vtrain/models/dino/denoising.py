@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torchvision.ops import box_convert
 
+from vtrain.models.dino.matcher import host_list
 from vtrain.models.dino.transformer import inverse_sigmoid
 
 
@@ -41,7 +42,7 @@ def build_denoising(labels: torch.Tensor, boxes: torch.Tensor, num_targets: torc
     """labels (B, M) and boxes (B, M, 4) cxcywh in [0, 1], padded; num_targets (B,). None when the batch has no
     targets (no denoising part at all)."""
     device = boxes.device
-    max_t = int(num_targets.max()) if num_targets.numel() else 0
+    max_t = max(host_list(num_targets), default=0)
     if max_t == 0:
         return None
     groups = max(num_dn_queries // max_t, 1)

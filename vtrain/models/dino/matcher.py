@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torchvision.ops import box_convert, generalized_box_iou
 
 
@@ -26,13 +27,24 @@ def match_cost(logits: torch.Tensor, boxes: torch.Tensor, tgt_labels: torch.Tens
     return w_class * cost_class + w_bbox * cost_bbox + w_giou * cost_giou
 
 
+def host_list(t: torch.Tensor) -> list:
+    """Python values of a small host-side tensor (per-image target counts). The memory estimator keeps targets
+    as real tensors under FakeTensorMode; reading them must leave that mode for a moment."""
+    with unset_fake_temporarily():
+        return t.tolist()
+
+
 @torch.no_grad()
 def hungarian_match(logits: torch.Tensor, boxes: torch.Tensor, tgt_labels: torch.Tensor, tgt_boxes: torch.Tensor,
                     num_targets: torch.Tensor, **costs: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Batched inputs (B, Q, C), (B, Q, 4), padded targets (B, M), (B, M, 4) and counts (B,). Returns per image
     (query indices, target indices) of a minimum-cost one-to-one assignment."""
     out = []
-    counts = num_targets.tolist()
+    counts = host_list(num_targets)
+    if is_fake(logits):
+        # memory estimation traces the model under FakeTensorMode: there are no values to match on, and which
+        # queries are matched does not change the memory; take the first n
+        return [(torch.arange(n, device=logits.device), torch.arange(n, device=logits.device)) for n in counts]
     for i, n in enumerate(counts):
         if n == 0:
             empty = torch.zeros(0, dtype=torch.long, device=logits.device)
