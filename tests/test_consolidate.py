@@ -137,3 +137,29 @@ def test_resume_weights_only_starts_a_new_run_from_a_consolidated_file(run, face
     proc = vtrain("train", "--data", str(faces), "--output-dir", str(tmp_path / "bad"), "--max-steps", "1",
                   "--embedding-dim", "64", "--resume-weights-only", str(cons))
     _error(proc, "--resume-weights-only", "does not fit this model")
+
+
+@pytest.mark.parametrize("layout", ["sharded", "full"])
+def test_accelerate_fsdp_save_state_layouts(run, tmp_path, layout):
+    """Accelerate's FSDP save_state: SHARDED_STATE_DICT writes a DCP dir `pytorch_model_fsdp_0` holding
+    {"model": state_dict}; FULL_STATE_DICT writes `pytorch_model_fsdp.bin` (accelerate/utils/fsdp_utils.py).
+    Written here the same way on one process (Accelerate never applies FSDP on CPU processes)."""
+    import torch.distributed.checkpoint as dcp
+
+    live = load_file(str(complete_checkpoints(run)[-1] / "model.safetensors"))
+    state = tmp_path / "state"
+    state.mkdir()
+    if layout == "sharded":
+        dcp.save({"model": dict(live)}, storage_writer=dcp.FileSystemWriter(str(state / "pytorch_model_fsdp_0")),
+                 no_dist=True)
+        (state / "optimizer_0").mkdir()
+        expected = "Accelerate FSDP sharded state"
+    else:
+        torch.save(dict(live), state / "pytorch_model_fsdp.bin")
+        expected = "pytorch_model_fsdp.bin"
+    (state / "random_states_0.pkl").write_bytes(b"")
+    out = tmp_path / "m.safetensors"
+    proc = ok(vtrain("consolidate", str(state), str(out)))
+    assert expected in proc.stdout
+    got = load_file(str(out))
+    assert got.keys() == live.keys() and all(torch.equal(got[k], live[k]) for k in live)

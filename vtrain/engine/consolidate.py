@@ -88,7 +88,7 @@ def _plain(p: Path, shown: Path) -> Source:
     dcp = sorted(p.glob("pytorch_model_fsdp_*"))
     if dcp and (dcp[0] / ".metadata").is_file():
         return Source("fsdp-dcp", dcp[0], f"Accelerate FSDP sharded state {dcp[0]}")
-    for name in ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp_0.bin", "model.pt"):
+    for name in ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp.bin", "model.pt"):
         if (p / name).is_file():
             return Source("state-dict", p / name, f"Accelerate save_state model {p / name}")
     raise VtrainError(f"{shown}: no DeepSpeed, FSDP or model weights found (not a checkpoint?)")
