@@ -103,8 +103,9 @@ def test_estimate_total_and_max_batch():
     est = estimate(s)
     assert est.total == sum((est.parameters, est.gradients, est.optimizer, est.activations, est.temporary,
                              est.overhead))
-    fits = max_batch_that_fits(est, est.total + 10 * est.activations)
-    assert 10 <= fits <= 12
+    per_sample = est.activations / 2
+    assert max_batch_that_fits(est, est.total) == 2  # exactly the traced batch
+    assert max_batch_that_fits(est, int(est.total + 10.5 * per_sample)) == 12  # room for 10 more samples
     assert max_batch_that_fits(est, est.overhead) == 0
 
 
