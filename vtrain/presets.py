@@ -71,7 +71,7 @@ DINO_PRESETS: dict[str, Callable[[], DinoPreset]] = {
                                 dim=64, ffn=128, enc_layers=2, dec_layers=2, heads=4, points=4, queries=100,
                                 dn_queries=20),
     # the CPU demo: trained from scratch (no downloads), a small conv backbone learns far faster than a tiny Swin
-    # (demo data, lr 1e-3: AP 8.4 after 600 steps, the tiny Swin 0.2 after 500)
+    # (demo data, lr 1e-3: AP 8-15 after 600 steps, the tiny Swin 0.2 after 500)
     "debug-resnet": lambda: DinoPreset("resnet10t", (2, 3, 4), 4, {}, "ResNet-10-T + 64-d 2+2-layer DINO (CPU demo)",
                                        dim=64, ffn=128, enc_layers=2, dec_layers=2, heads=4, points=4, queries=100,
                                        dn_queries=20),
