@@ -7,34 +7,10 @@ import dataclasses
 import json
 
 import pytest
-import torch
 
 from conftest import ok, vtrain
-from vtrain.engine.memory import (Setup, _inputs, build_model, count_params, deepspeed_reference,
+from vtrain.engine.memory import (Setup, allocator_peak, deepspeed_reference, model_facts,
                                   estimate, max_batch_that_fits, model_state_bytes, trace_step)
-
-
-def _real_peak_from_allocator(setup: Setup) -> int:
-    """An independent reference: real CPU tensors, and the CPU allocator's own allocation/free events as
-    recorded by torch.profiler (profile_memory=True). Peak of the bytes the step allocated, gradients included.
-    (torch's MemTracker was tried first: it agrees without checkpointing, but under checkpointing it reports
-    about 30% below the allocator, its documented attribution limit.)"""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.manual_seed(0)
-    model = build_model(setup)
-    model.train()
-    inputs = _inputs(setup, torch.device("cpu"))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.precision == "bf16"):
-            out = model(**inputs)
-        out["loss"].float().backward()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return peak
 
 
 CASES = [("dino", "debug", (128, 160), 2), ("metric", "debug", (112, 112), 8)]
@@ -48,7 +24,7 @@ def test_traced_activation_peak_matches_a_real_run(task, preset, size, batch, pr
     setup = Setup(task=task, preset=preset, image_size=size, batch_size=batch, precision=precision, grad_ckpt=parts,
                   num_classes=5 if task == "dino" else 50, num_targets=3, autocast_policy="cpu")
     traced = trace_step(setup)["Peak"]
-    real = _real_peak_from_allocator(setup)
+    real = allocator_peak(setup)
     assert abs(traced - real) <= 0.10 * real, (traced, real)
 
 
@@ -76,7 +52,8 @@ def test_cuda_policy_keeps_norms_and_softmax_fp32_under_bf16():
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_model_states_match_deepspeeds_estimators(gpus):
     setup = Setup(task="dino", preset="swin-l", ds_16bit=True, gpus=gpus)
-    trainable, frozen, largest = count_params(setup)
+    facts = model_facts(setup)
+    trainable, frozen, largest = facts.trainable, facts.frozen, facts.largest_layer
     assert frozen == 0
     total = trainable
     for zero, offload in [(2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"), (3, "all")]:

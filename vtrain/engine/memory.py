@@ -76,7 +76,6 @@ class Estimate:
     temporary: int
     overhead: int
     cpu_offloaded: int
-    trace_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -208,19 +207,13 @@ def _inputs(setup: Setup, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def build_model(setup: Setup) -> nn.Module:
-    if setup.task == "dino":
-        from vtrain.models.dino import DINO
+    """The task's real model (tasks.build_model), default head settings, the Setup's checkpointing."""
+    from vtrain.config import ModelConfig
+    from vtrain.tasks import build_model as build_task_model
 
-        model = DINO(setup.preset, setup.num_classes)
-        model.set_grad_checkpointing(list(setup.grad_ckpt))
-        return model
-    from vtrain.models.backbones import set_backbone_checkpointing
-    from vtrain.models.metric import MetricModel
-
-    model = MetricModel(setup.preset, setup.num_classes, setup.image_size[0])
-    if "backbone" in setup.grad_ckpt:
-        set_backbone_checkpointing(model.backbone)
-    return model
+    size = setup.image_size[0] if setup.task == "metric" else ModelConfig.image_size  # DINO takes any size
+    return build_task_model(setup.task, ModelConfig(preset=setup.preset, image_size=size,
+                                                    grad_ckpt=list(setup.grad_ckpt)), setup.num_classes)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -264,8 +257,8 @@ class LiveBytes(TorchDispatchMode):
 
 def trace_step(setup: Setup, fake: bool = True) -> dict[str, int]:
     """One forward + backward of the real model under fake tensors. Returns the peak bytes of everything the
-    step creates except gradients (`Activation`: saved activations and temporaries together), the gradient bytes,
-    and the peak of everything the step creates (`Peak`, gradients included). fake=False runs real CPU tensors."""
+    step creates except gradients (`Activation`: saved activations and temporaries together) and the peak of
+    everything the step creates (`Peak`, gradients included). fake=False runs real CPU tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     torch.manual_seed(0)
@@ -291,46 +284,85 @@ def trace_step(setup: Setup, fake: bool = True) -> dict[str, int]:
                 out = model(**inputs)
             out["loss"].float().backward()
         grads = {tracker.key_of(p.grad) for p in model.parameters() if p.grad is not None} - {None}
-        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    return {"Activation": tracker.peak(grads), "Gradient": grad_bytes, "Temp": 0, "Peak": tracker.peak(set())}
+    return {"Activation": tracker.peak(grads), "Peak": tracker.peak(set())}
 
 
-def count_params(setup: Setup) -> tuple[int, int, int]:
-    """(trainable, frozen, largest layer) parameter counts of the real model on the meta device."""
-    with torch.device("meta"):
-        model = build_model(setup)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return trainable, frozen, largest
+def allocator_peak(setup: Setup) -> int:
+    """The validation reference for `trace_step`'s `Peak`, independent of it: one real step on CPU tensors,
+    measured by the CPU allocator's own allocation/free events as torch.profiler records them
+    (profile_memory=True). Peak of the bytes the step allocated, gradients included. (torch's MemTracker was
+    tried first: it agrees without checkpointing, but under checkpointing reports about 30% below the
+    allocator, its documented attribution limit.) CPU autocast only: compare with autocast_policy="cpu"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = build_model(setup)
+    model.train()
+    inputs = _inputs(setup, torch.device("cpu"))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.precision == "bf16"):
+            out = model(**inputs)
+        out["loss"].float().backward()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak
 
 
-def estimate(setup: Setup, activation_trace: dict[str, int] | None = None) -> Estimate:
-    t0 = time.perf_counter()
-    trainable, frozen, largest = count_params(setup)
-    trace = activation_trace if activation_trace is not None else trace_step(setup)
-    secs = time.perf_counter() - t0
-    states = model_state_bytes(trainable, frozen, setup.zero, setup.fsdp, setup.offload, setup.gpus,
-                               setup.ds_16bit)
-    notes = []
-    temp = trace.get("Temp", 0) + _extra_temp(setup)
-    if setup.zero:
-        notes.append(f"DeepSpeed buckets: reduce {setup.ds_buckets[0]:.0e}, allgather {setup.ds_buckets[1]:.0e} "
-                     f"elements, overlap_comm {setup.overlap_comm}")
-    return Estimate(setup=asdict(setup), params_total=trainable + frozen, params_trainable=trainable,
-                    parameters=states["parameters"], gradients=states["gradients"], optimizer=states["optimizer"],
-                    activations=trace.get("Activation", 0), temporary=temp, overhead=CUDA_CONTEXT_BYTES,
-                    cpu_offloaded=states["cpu"], trace_seconds=secs, notes=notes)
+@dataclass
+class ModelFacts:
+    trainable: int
+    frozen: int
+    largest_layer: int  # most parameters held directly by one module (DeepSpeed's "largest layer")
+    largest_block: int  # most parameters in one FSDP2 unit (engine/fsdp.py shard_units)
 
 
-def largest_block_bytes(setup: Setup) -> int:
+def model_facts(setup: Setup) -> ModelFacts:
+    """Parameter counts of the real model on the meta device (one build; checkpointing and engines do not
+    change them)."""
     from vtrain.engine.fsdp import shard_units
 
     with torch.device("meta"):
         model = build_model(setup)
+    params = list(model.parameters())
     units = shard_units(model) or [model]
-    elem = 2 if setup.precision != "no" else 4
-    return max(sum(p.numel() for p in u.parameters()) for u in units) * elem
+    return ModelFacts(trainable=sum(p.numel() for p in params if p.requires_grad),
+                      frozen=sum(p.numel() for p in params if not p.requires_grad),
+                      largest_layer=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+                      largest_block=max(sum(p.numel() for p in u.parameters()) for u in units))
+
+
+def untraced_temporary(setup: Setup, facts: ModelFacts) -> int:
+    """Temporaries no trace sees: FSDP2 gathers one block's full parameters at a time (two with prefetch) in the
+    compute dtype; DeepSpeed's communication buckets, and under ZeRO-3 the gathered largest layer, as DeepSpeed's
+    estimator counts it."""
+    extra = 0
+    if setup.fsdp:
+        extra += 2 * facts.largest_block * (2 if setup.precision != "no" else 4)
+    if setup.zero:
+        extra += comm_buffer_bytes(setup.zero, setup.ds_buckets, setup.overlap_comm, setup.precision)
+        if setup.zero == 3:
+            extra += 4 * facts.largest_layer
+    return extra
+
+
+def estimate(setup: Setup, trace: dict[str, int] | None = None, facts: ModelFacts | None = None) -> Estimate:
+    """Assemble the per-GPU estimate; the trace and the parameter counts are computed when not given."""
+    facts = facts or model_facts(setup)
+    trace = trace if trace is not None else trace_step(setup)
+    states = model_state_bytes(facts.trainable, facts.frozen, setup.zero, setup.fsdp, setup.offload, setup.gpus,
+                               setup.ds_16bit)
+    notes = []
+    if setup.zero:
+        notes.append(f"DeepSpeed buckets: reduce {setup.ds_buckets[0]:.0e}, allgather {setup.ds_buckets[1]:.0e} "
+                     f"elements, overlap_comm {setup.overlap_comm}")
+    return Estimate(setup=asdict(setup), params_total=facts.trainable + facts.frozen,
+                    params_trainable=facts.trainable, parameters=states["parameters"],
+                    gradients=states["gradients"], optimizer=states["optimizer"], activations=trace["Activation"],
+                    temporary=untraced_temporary(setup, facts), overhead=CUDA_CONTEXT_BYTES,
+                    cpu_offloaded=states["cpu"], notes=notes)
 
 
 def max_batch_that_fits(est: Estimate, budget_bytes: int) -> int:
@@ -468,9 +500,11 @@ def estimate_report(setup: Setup, gpu_memory_gib: float = 24.0, compare_gc: bool
     trace with other model-state partitions) and the largest batch within `gpu_memory_gib`."""
     import dataclasses
 
-    chosen = estimate(setup)
-    traces = {tuple(setup.grad_ckpt): {"Activation": chosen.activations,
-                                       "Temp": chosen.temporary - _extra_temp(setup)}}
+    t0 = time.perf_counter()
+    facts = model_facts(setup)
+    traces = {tuple(setup.grad_ckpt): trace_step(setup)}
+    seconds = time.perf_counter() - t0
+    chosen = estimate(setup, traces[tuple(setup.grad_ckpt)], facts)
     gc_choices = [(), ("backbone",), ("backbone", "encoder")] if setup.task == "dino" else [(), ("backbone",)]
     rows = []
     if compare_gc:
@@ -479,19 +513,16 @@ def estimate_report(setup: Setup, gpu_memory_gib: float = 24.0, compare_gc: bool
                 continue
             alt = dataclasses.replace(setup, grad_ckpt=gc)
             traces[gc] = trace_step(alt)
-            rows.append(("checkpointing", alt, estimate(alt, traces[gc])))
-    engines = [("DDP", dict(zero=0, fsdp=False, offload="none")),
-               ("ZeRO-1", dict(zero=1, fsdp=False, offload="none")),
-               ("ZeRO-2", dict(zero=2, fsdp=False, offload="none")),
-               ("ZeRO-3", dict(zero=3, fsdp=False, offload="none")),
-               ("ZeRO-3 + offload optimizer", dict(zero=3, fsdp=False, offload="optimizer")),
-               ("ZeRO-3 + offload all", dict(zero=3, fsdp=False, offload="all")),
-               ("FSDP2", dict(zero=0, fsdp=True, offload="none"))]
-    for _, kw in engines:
+            rows.append(("checkpointing", alt, estimate(alt, traces[gc], facts)))
+    engines = [dict(zero=0, fsdp=False, offload="none"), dict(zero=1, fsdp=False, offload="none"),
+               dict(zero=2, fsdp=False, offload="none"), dict(zero=3, fsdp=False, offload="none"),
+               dict(zero=3, fsdp=False, offload="optimizer"), dict(zero=3, fsdp=False, offload="all"),
+               dict(zero=0, fsdp=True, offload="none")]
+    for kw in engines:
         alt = dataclasses.replace(setup, **kw)
         if (alt.zero, alt.fsdp, alt.offload) == (setup.zero, setup.fsdp, setup.offload):
             continue
-        rows.append(("engine", alt, estimate(alt, traces[tuple(setup.grad_ckpt)])))
+        rows.append(("engine", alt, estimate(alt, traces[tuple(setup.grad_ckpt)], facts)))
     budget = int(gpu_memory_gib * GiB)
     return {
         "setup": dataclasses.asdict(setup),
@@ -500,17 +531,5 @@ def estimate_report(setup: Setup, gpu_memory_gib: float = 24.0, compare_gc: bool
         "max_batch_size": max_batch_that_fits(chosen, budget), "gpu_memory_gib": gpu_memory_gib,
         "alternatives": [{"kind": kind, "label": alt.label(), **_gib(est),
                           "max_batch_size": max_batch_that_fits(est, budget)} for kind, alt, est in rows],
-        "trace_seconds": round(chosen.trace_seconds, 1),
+        "trace_seconds": round(seconds, 1),
     }
-
-
-def _extra_temp(setup: Setup) -> int:
-    """The part of `temporary` that does not come from the trace (buckets, gathered layers)."""
-    extra = 0
-    if setup.fsdp:
-        extra += 2 * largest_block_bytes(setup)
-    if setup.zero:
-        extra += comm_buffer_bytes(setup.zero, setup.ds_buckets, setup.overlap_comm, setup.precision)
-        if setup.zero == 3:
-            extra += 4 * count_params(setup)[2]
-    return extra

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from vtrain.config import RunConfig
+from vtrain.config import ModelConfig, RunConfig
 
 
 def build_task(cfg: RunConfig):
@@ -19,17 +19,27 @@ def build_task(cfg: RunConfig):
     raise ValueError(f"unknown task {cfg.task}")
 
 
+def build_model(task: str, m: ModelConfig, num_classes: int) -> nn.Module:
+    """The task's model from its model config, with activation checkpointing applied: the one place models are
+    constructed (training, `vtrain eval`, `consolidate --check-model`, `estimate-memory`)."""
+    if task == "dino":
+        from vtrain.models.dino import DINO
+
+        model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries)
+        model.set_grad_checkpointing(m.grad_ckpt)
+        return model
+    from vtrain.models.backbones import set_backbone_checkpointing
+    from vtrain.models.metric import MetricModel
+
+    model = MetricModel(m.preset, num_classes, m.image_size, m.embedding_dim, m.neck_norm, m.head, m.margin, m.scale,
+                        m.drop_path)
+    if "backbone" in m.grad_ckpt:
+        set_backbone_checkpointing(model.backbone)
+    return model
+
+
 def model_for_weights(cfg: RunConfig, shapes: dict[str, tuple[int, ...]]) -> nn.Module:
     """The model of a saved config whose class count fits saved weights (name -> shape), built without data:
     for `vtrain eval` and `vtrain consolidate --check-model`. Build it under torch.device("meta") for a check."""
-    m = cfg.model
-    if cfg.task == "dino":
-        from vtrain.models.dino import DINO
-
-        n = shapes["cls_heads.0.weight"][0] if "cls_heads.0.weight" in shapes else 1
-        return DINO(m.preset, n, m.drop_path, m.num_queries, m.dn_queries)
-    from vtrain.models.metric import MetricModel
-
-    n = shapes["head.weight"][0] if "head.weight" in shapes else 1
-    return MetricModel(m.preset, n, m.image_size, m.embedding_dim, m.neck_norm, m.head, m.margin, m.scale,
-                       m.drop_path)
+    head = "cls_heads.0.weight" if cfg.task == "dino" else "head.weight"
+    return build_model(cfg.task, cfg.model, shapes[head][0] if head in shapes else 1)

@@ -21,6 +21,7 @@ from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
 from vtrain.models.backbones import load_backbone_weights, read_state_dict
 from vtrain.models.dino import DINO, postprocess
+from vtrain.tasks import build_model
 
 GRAD_CKPT_PARTS = ("backbone", "encoder", "decoder")
 
@@ -95,11 +96,8 @@ class DinoTask:
 
     # ---- model --------------------------------------------------------------------------------------------
     def build_model(self, num_classes: int | None = None) -> DINO:
-        m = self.cfg.model
         n = num_classes if num_classes is not None else self.train_dataset().num_classes
-        model = DINO(m.preset, n, m.drop_path, m.num_queries, m.dn_queries)
-        model.set_grad_checkpointing(m.grad_ckpt)
-        return model
+        return build_model(self.name, self.cfg.model, n)
 
     def load_pretrained(self, model: DINO) -> str:
         """--pretrained: a full detector file (vtrain keys) or a backbone file in timm or original Swin/ResNet

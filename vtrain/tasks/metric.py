@@ -15,8 +15,9 @@ from vtrain.config import RunConfig
 from vtrain.data.faces import FaceFolder, load_image, read_pairs, resolve_face_data, sample_pairs
 from vtrain.errors import VtrainError
 from vtrain.eval.verification import verification_metrics
-from vtrain.models.backbones import load_backbone_weights, read_state_dict, set_backbone_checkpointing
+from vtrain.models.backbones import load_backbone_weights, read_state_dict
 from vtrain.models.metric import MetricModel
+from vtrain.tasks import build_model
 
 GRAD_CKPT_PARTS = ("backbone",)
 
@@ -48,13 +49,8 @@ class MetricTask:
 
     # ---- model --------------------------------------------------------------------------------------------
     def build_model(self, num_classes: int | None = None) -> MetricModel:
-        m = self.cfg.model
         n = num_classes if num_classes is not None else self.train_dataset().num_classes
-        model = MetricModel(m.preset, n, m.image_size, m.embedding_dim, m.neck_norm, m.head, m.margin, m.scale,
-                            m.drop_path)
-        if "backbone" in m.grad_ckpt:
-            set_backbone_checkpointing(model.backbone)
-        return model
+        return build_model(self.name, self.cfg.model, n)
 
     def load_pretrained(self, model: MetricModel) -> str:
         """Load --pretrained: a full vtrain model file (keys backbone./neck./head.) or a timm backbone file."""
