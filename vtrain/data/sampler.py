@@ -68,3 +68,11 @@ class ShardedEpochSampler(Sampler[tuple[int, int]]):
 
     def __len__(self) -> int:
         return (self.batches_per_epoch - self.start_batch) * self.batch_size
+
+
+def eval_shard(n: int, rank: int, world: int) -> tuple[list[int], int]:
+    """This rank's slice of n evaluation items, all slices of equal length (sharded engines need every rank in
+    every forward): padded with the last item. Returns the indices and how many of them are real."""
+    per_rank = -(-n // world)
+    start = rank * per_rank
+    return [min(i, n - 1) for i in range(start, start + per_rank)], max(0, min(per_rank, n - start))

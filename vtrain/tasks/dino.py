@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Subset
 from vtrain.config import RunConfig
 from vtrain.data.coco import CocoDetection, collate
 from vtrain.data.demo_shapes import ensure_demo_shapes
+from vtrain.data.sampler import eval_shard
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
 from vtrain.models.backbones import load_backbone_weights, read_state_dict
@@ -128,9 +129,7 @@ class DinoTask:
         if ds is None:
             return None
         n = len(ds)
-        per_rank = -(-n // world)
-        mine = list(range(rank * per_rank, (rank + 1) * per_rank))
-        order = [min(i, n - 1) for i in mine]  # pad with the last image; its duplicates are not scored
+        order, real = eval_shard(n, rank, world)  # the padding duplicates are not scored
         loader = DataLoader(Subset(ds, order), batch_size=self.cfg.train.batch_size, collate_fn=collate,
                             num_workers=min(self.cfg.data.num_workers, 2))
         dets: list[dict[str, Any]] = []
@@ -139,7 +138,7 @@ class DinoTask:
             out = forward(images=batch["images"].to(device, input_dtype), masks=batch["masks"].to(device))
             results = postprocess(out["pred_logits"], out["pred_boxes"], batch["orig_size"].to(device))
             for image_id, r in zip(batch["image_id"].tolist(), results):
-                if mine[pos] < n:
+                if pos < real:
                     dets += coco_detections(image_id, r["boxes"].cpu().numpy(), r["scores"].cpu().numpy(),
                                             r["labels"].cpu().numpy(), ds.cat_ids)
                 pos += 1

@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from vtrain.config import RunConfig
 from vtrain.data.faces import FaceFolder, load_image, read_pairs, resolve_face_data, sample_pairs
+from vtrain.data.sampler import eval_shard
 from vtrain.errors import VtrainError
 from vtrain.eval.verification import verification_metrics
 from vtrain.models.backbones import load_backbone_weights, read_state_dict
@@ -93,8 +94,7 @@ class MetricTask:
             return None
         paths, pair_idx, same = es
         n, bs = len(paths), self.cfg.train.batch_size
-        per_rank = -(-n // world)
-        mine = [min(i, n - 1) for i in range(rank * per_rank, (rank + 1) * per_rank)]  # pad with the last image
+        mine, _ = eval_shard(n, rank, world)  # padding duplicates are cut off after the gather ([:n])
         loader = torch.utils.data.DataLoader(_Images(paths, mine, self.cfg.model.image_size), batch_size=bs,
                                              num_workers=min(self.cfg.data.num_workers, 2))
         chunks = []
