@@ -46,12 +46,13 @@ class Trainer:
         self.plan = resolve_plan(cfg)
         self.out = Path(t.output_dir)
         self.resumed_from = ckpt.resolve_resume(t.resume, self.out)
-        self.reshard_deepspeed = False
-        if self.resumed_from is not None and self.plan.kind == "deepspeed":
-            saved = torch.load(self.resumed_from / "train_state.pt", weights_only=False)
-            if saved["world_size"] != self.plan.world_size and saved["engine"] == "deepspeed":
-                self.plan.ds_config.setdefault("checkpoint", {})["load_universal"] = True
-                self.reshard_deepspeed = True
+        self.saved_state = (torch.load(self.resumed_from / "train_state.pt", weights_only=False)
+                            if self.resumed_from is not None else None)
+        self.reshard_deepspeed = (self.plan.kind == "deepspeed" and self.saved_state is not None
+                                  and self.saved_state["engine"] == "deepspeed"
+                                  and self.saved_state["world_size"] != self.plan.world_size)
+        if self.reshard_deepspeed:
+            self.plan.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.accelerator = build_accelerator(self.plan, t.grad_accum)
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
@@ -309,7 +310,7 @@ class Trainer:
         return final
 
     def _load(self, path: Path) -> None:
-        state = torch.load(path / "train_state.pt", weights_only=False)
+        state = self.saved_state  # read before the engine was built (it decides the universal-checkpoint route)
         saved_kind = "ddp" if state["engine"] == "single" else state["engine"]  # one process is DDP of one
         kind = "ddp" if self.plan.kind == "single" else self.plan.kind
         if saved_kind != kind:
