@@ -140,41 +140,22 @@ def test_deepspeed_full_bf16_mode_trains_a_batchnorm_model(faces, tmp_path):
     assert w["neck.norm.running_var"].dtype == torch.float32 and torch.isfinite(w["neck.norm.running_var"]).all()
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2"])
 def test_resume_on_another_world_size(engine, faces, tmp_path):
     """Saved by 2 processes (batch 4 each), resumed by 1 (batch 8): the same global batch, so the steps after
-    the checkpoint see the same samples and give the same losses as the uninterrupted 2-process run."""
+    the checkpoint see the same samples and give the same losses as the uninterrupted 2-process run. FSDP2
+    reshards through DCP, ZeRO-2 through DeepSpeed's universal checkpoint."""
     args = ["--max-steps", "4", "--save-every", "2", "--mixed-precision", "no", "--neck-norm", "ln"]
     full, moved = tmp_path / "full", tmp_path / "moved"
     ok(_run(engine, full, faces, *args, "--batch-size", "4"))
     proc = _run(engine, moved, faces, *args, "--batch-size", "4", extra_env={"VTRAIN_DEBUG_CRASH_AT_STEP": "3"})
     assert proc.returncode != 0
-    flags = ["--fsdp"] if engine == "fsdp" else []
+    flags = ["--fsdp"] if engine == "fsdp" else ENGINES[engine][1]
     proc = ok(vtrain("train", "--data", str(faces), "--output-dir", str(moved), *BASE, *args, *flags,
                      "--batch-size", "8", "--resume", "auto"))
     assert "resharded: saved by 2 processes, resumed on 1" in proc.stdout
-    a = {r["step"]: r for r in metrics(full)}
-    b = {r["step"]: r for r in metrics(moved)}
-    for step in (3, 4):
-        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-4)
-        assert b[step]["lr"] == pytest.approx(a[step]["lr"])
-    wa, wb = final_weights(full), final_weights(moved)
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-4, msg=k)
-
-
-def test_deepspeed_resumes_on_another_world_size_via_universal_checkpoint(faces, tmp_path):
-    """ZeRO-2 saved by 2 processes (batch 4 each), resumed by 1 (batch 8) through DeepSpeed's universal checkpoint:
-    the same samples, optimizer state and schedule, so the same losses as the uninterrupted 2-process run."""
-    args = ["--max-steps", "4", "--save-every", "2", "--mixed-precision", "no", "--neck-norm", "ln"]
-    full, moved = tmp_path / "full", tmp_path / "moved"
-    ok(_run("zero2", full, faces, *args, "--batch-size", "4"))
-    proc = _run("zero2", moved, faces, *args, "--batch-size", "4", extra_env={"VTRAIN_DEBUG_CRASH_AT_STEP": "3"})
-    assert proc.returncode != 0
-    proc = ok(vtrain("train", "--data", str(faces), "--output-dir", str(moved), *BASE, *args, "--ds-config",
-                     "ds_configs/zero2.json", "--batch-size", "8", "--resume", "auto"))
-    assert "resharded: saved by 2 processes, resumed on 1" in proc.stdout
-    assert (moved / "universal" / "step_2" / "latest_universal").is_file()
+    if engine == "zero2":
+        assert (moved / "universal" / "step_2" / "latest_universal").is_file()
     a = {r["step"]: r for r in metrics(full)}
     b = {r["step"]: r for r in metrics(moved)}
     for step in (3, 4):
