@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ok, vtrain
+from conftest import ok, reseal, vtrain
 from vtrain.engine.checkpoint import complete_checkpoints
 
 
@@ -56,6 +56,7 @@ def test_injected_inf_buffer_is_flagged_and_nothing_is_written(run, tmp_path):
     sd["neck.norm.running_var"][3] = float("inf")  # the fp16 running_var overflow users hit
     sd["head.weight"][0, :2] = float("nan")
     save_file(sd, str(f))
+    reseal(f.parents[1])
     out = tmp_path / "out.safetensors"
     proc = vtrain("consolidate", str(bad), str(out))
     _error(proc, "2 tensors hold inf/NaN", "not written")
@@ -69,17 +70,18 @@ def test_bad_inputs_leave_out_untouched(run, tmp_path):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"previous")
     (tmp_path / "empty").mkdir()
-    _error(vtrain("consolidate", str(tmp_path / "empty"), str(out)), "empty directory")
-    _error(vtrain("consolidate", str(tmp_path / "nope"), str(out)), "no such file")
+    _error(vtrain("consolidate", str(run), str(out)), "exists", "--overwrite")  # never replaced without asking
+    _error(vtrain("consolidate", str(tmp_path / "empty"), str(out), "--overwrite"), "empty directory")
+    _error(vtrain("consolidate", str(tmp_path / "nope"), str(out), "--overwrite"), "no such file")
     half = tmp_path / "checkpoints" / ".tmp-step_9"
     shutil.copytree(complete_checkpoints(run)[-1], half)
     (half / "COMPLETE").unlink()
-    _error(vtrain("consolidate", str(half), str(out)), "half-written")
+    _error(vtrain("consolidate", str(half), str(out), "--overwrite"), "half-written")
     _error(vtrain("consolidate", str(run), str(tmp_path / "out.txt")), ".safetensors or .pt")
     ds = tmp_path / "ds"
     ds.mkdir()
     (ds / "latest").write_text("global_step7")
-    _error(vtrain("consolidate", str(ds), str(out)), "global_step7")
+    _error(vtrain("consolidate", str(ds), str(out), "--overwrite"), "global_step7")
     assert out.read_bytes() == b"previous"
 
 
@@ -90,6 +92,7 @@ def test_check_model_rejects_another_models_weights(run, tmp_path):
     sd = load_file(str(f))
     sd["neck.proj.weight"] = torch.zeros(16, sd["neck.proj.weight"].shape[1])
     save_file(sd, str(f))
+    reseal(f.parents[1])
     _error(vtrain("consolidate", str(other), str(tmp_path / "o.safetensors"), "--check-model"),
            "--check-model", "do not fit")
 
@@ -114,7 +117,7 @@ def test_plain_deepspeed_with_frozen_tied_and_batchnorm(stage, tmp_path):
     # a checkpoint that lost one rank's shard is refused, OUT untouched
     tag = out / (out / "latest").read_text().strip()
     next(tag.glob("*rank_1*optim_states.pt")).unlink()
-    proc = vtrain("consolidate", str(out), str(tmp_path / "m.safetensors"))
+    proc = vtrain("consolidate", str(out), str(tmp_path / "m.safetensors"), "--overwrite")
     _error(proc, "1 optimizer shards but the checkpoint was written by 2 ranks")
     assert torch.equal(load_file(str(tmp_path / "m.safetensors"))["emb.weight"], truth["emb.weight"])
     # running_var held values above the fp16 maximum (65504): kept finite and fp32

@@ -72,7 +72,8 @@ def test_crash_and_resume_matches_uninterrupted_run(precision, faces, tmp_path):
     for step in (5, 6, 7, 8):
         assert resumed[step] == pytest.approx(full[step], abs=1e-5)
     if precision == "fp16":  # dynamic loss scaling: the scaler state is checkpointed and restored
-        assert (complete_checkpoints(crashed)[-1] / "scaler.pt").is_file()
+        state = json.loads((complete_checkpoints(crashed)[-1] / "train_state.json").read_text())
+        assert state["scaler"]["scale"] > 0
         assert "overflow_skips" in metrics(crashed)[-1]
         assert metrics(crashed)[-1]["overflow_skips"] == metrics(tmp_path / "full")[-1]["overflow_skips"]
 
@@ -93,12 +94,25 @@ def test_crash_mid_save_keeps_previous_checkpoint(faces, tmp_path):
 def test_nonfinite_loss_is_skipped_counted_and_stops(faces, tmp_path):
     run = tmp_path / "run"
     proc = vtrain("train", "--data", str(faces), "--output-dir", str(run), "--max-steps", "20", "--batch-size", "8",
-                  "--num-workers", "0", "--lr", "1e30", "--clip-grad", "0", "--log-every", "1",
-                  "--max-nonfinite", "3", "--mixed-precision", "no")
+                  "--num-workers", "0", "--log-every", "1", "--max-nonfinite", "3", "--mixed-precision", "no",
+                  extra_env={"VTRAIN_DEBUG_NONFINITE": "loss@2"})
     assert proc.returncode == 2
     assert "consecutive steps with a non-finite loss" in proc.stderr and "Traceback" not in proc.stderr
     rows = metrics(run)
     assert rows[-1]["skipped"] == 3 and math.isfinite(rows[0]["loss"])
+
+
+def test_nonfinite_parameters_stop_the_run_before_anything_is_saved(faces, tmp_path):
+    """A step that leaves inf/NaN weights with a finite loss (an overflowing update) must not end in exit 0 with
+    a NaN model on disk: the run stops at the next log or save, and the last good checkpoint stays."""
+    run = tmp_path / "run"
+    proc = vtrain("train", "--data", str(faces), "--output-dir", str(run), "--max-steps", "6", "--batch-size", "8",
+                  "--num-workers", "0", "--log-every", "3", "--save-every", "2", "--mixed-precision", "no",
+                  extra_env={"VTRAIN_DEBUG_NONFINITE": "param@3"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "parameters became inf/NaN by step 3" in proc.stderr and "step_2" in proc.stderr
+    assert [p.name for p in complete_checkpoints(run)] == ["step_2"]
+    assert all(torch.isfinite(v).all() for v in final_weights(run).values())
 
 
 def test_pretrained_backbone_file_is_loaded(faces, tmp_path):

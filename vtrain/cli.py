@@ -4,6 +4,7 @@ stderr and exit code 2, never a traceback."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -33,14 +34,15 @@ def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
     """Map flat CLI flags to config sections; unset flags (None) do not override the YAML file."""
     sections = {
         "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
-                  "drop_path", "grad_ckpt", "num_queries", "dn_queries"),
+                  "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
+                  "allow_partial_pretrained"),
         "data": ("path", "num_workers", "val_path", "pairs_file", "train_ann", "train_images", "val_ann", "val_images",
-                 "max_size"),
+                 "max_size", "skip_bad_images"),
         "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad"),
         "parallel": ("mixed_precision", "ds_config", "fsdp"),
         "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
-                  "save_every",
-                  "keep_last", "eval_every", "log_every", "seed", "max_nonfinite"),
+                  "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
+                  "overwrite_output_dir"),
     }
     out: dict[str, dict[str, Any]] = {s: {} for s in sections}
     for section, names in sections.items():
@@ -101,8 +103,21 @@ def train(
     max_size: Annotated[Optional[int], typer.Option(help="Detection: longest side after resize")] = None,
     num_queries: Annotated[Optional[int], typer.Option(help="DINO matching queries (recipe: 900)")] = None,
     dn_queries: Annotated[Optional[int], typer.Option(help="DINO denoising queries (recipe: 100; 0 disables)")] = None,
+    overwrite_output_dir: Annotated[Optional[bool], typer.Option(
+        "--overwrite-output-dir", help="Start over in an --output-dir holding an earlier run (deletes its "
+        "checkpoints and logs)")] = None,
+    skip_bad_images: Annotated[Optional[bool], typer.Option(
+        "--skip-bad-images", help="Skip unreadable image files (named in the log per epoch) instead of stopping")] = None,
+    pretrained_min_match: Annotated[Optional[float], typer.Option(
+        help="Share of the target's tensors a --pretrained file must fill (default 0.9)")] = None,
+    allow_partial_pretrained: Annotated[Optional[bool], typer.Option(
+        "--allow-partial-pretrained", help="Load whatever tensors of --pretrained match, however few")] = None,
 ) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
+    from vtrain.engine.interrupt import GracefulInterrupt
+
+    # first: a SIGTERM/SIGINT that arrives while the model is being built must also lead to a checkpoint
+    interrupt = GracefulInterrupt().install()
     from vtrain.config import build_config, read_yaml
 
     file_values = read_yaml(config) if config is not None else {}
@@ -111,7 +126,7 @@ def train(
     cfg = build_config(task.value if task else None, file_values, _overrides(**flags))
     from vtrain.engine.trainer import Trainer
 
-    Trainer(cfg).fit()
+    Trainer(cfg, interrupt).fit()
 
 
 @app.command("eval")
@@ -149,6 +164,7 @@ def consolidate_cmd(
     max_shard_size: Annotated[Optional[str], typer.Option(help="Split into shards + index, e.g. 5GB")] = None,
     allow_nonfinite: Annotated[bool, typer.Option(help="Write even when tensors hold inf/NaN")] = False,
     check_model: Annotated[bool, typer.Option(help="Load the result strictly into the model of config.yaml")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
 ) -> None:
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
@@ -161,7 +177,8 @@ def consolidate_cmd(
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in dtypes:
         raise VtrainError(f"--dtype: choose one of {', '.join(dtypes)}")
-    report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model)
+    report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
+                         overwrite)
     console.print(f"found: {report.source.description}", soft_wrap=True)
     console.print(f"{report.tensors} tensors, {report.numel:,} elements", soft_wrap=True)
     if verbose:
@@ -208,6 +225,12 @@ def estimate_memory_cmd(
 
     from vtrain.engine.memory import estimate_report, setup_from
 
+    if not (0 < gpu_memory < float("inf")):
+        raise VtrainError(f"--gpu-memory: must be a positive number of GiB, got {gpu_memory}")
+    if gpus < 1:
+        raise VtrainError(f"--gpus: must be >= 1, got {gpus}")
+    if batch_size is not None and batch_size < 1:
+        raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
                        fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
@@ -258,11 +281,20 @@ def presets() -> None:
 def main() -> None:
     # Click (standalone mode) reports usage errors itself, with exit code 2; our own user errors arrive as
     # VtrainError from anywhere in the core and become one line too.
+    from vtrain.engine.interrupt import TrainingInterrupted
+    from vtrain.safeio import force_weights_only_env
+
+    force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
     try:
         app(standalone_mode=True)
     except VtrainError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not getattr(e, "quiet", False):  # an error rank 0 reports for all ranks
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingInterrupted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(str(e), file=sys.stderr)
+        sys.exit(e.code)
 
 
 if __name__ == "__main__":

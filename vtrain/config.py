@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,11 +24,27 @@ PRECISIONS = ("auto", "no", "bf16", "fp16")
 SCHEDULES = ("cosine", "step", "constant")
 HEADS = ("arcface", "cosface")
 NECK_NORMS = ("bn", "ln", "none")
+MAX_QUERIES, MAX_DN_QUERIES = 5000, 2000
+MIN_DETECTION_SIZE = 64  # the coarsest DINO level has stride 64 (presets.py): smaller inputs leave it empty
 
 
 def _check(cond: bool, flag: str, msg: str) -> None:
+    """Raise a ConfigError naming the flag and, for a flag, its config key (`--lr (optim.lr): ...`)."""
     if not cond:
-        raise ConfigError(f"{flag}: {msg}")
+        key = _flag_keys().get(flag)
+        raise ConfigError(f"{flag} ({key}): {msg}" if key else f"{flag}: {msg}")
+
+
+# flags whose name is not the field name with dashes
+_FLAG_RENAMES = {"preset": "--model", "path": "--data", "val_path": "--val-data", "pairs_file": "--pairs"}
+
+
+def flag_of(name: str) -> str:
+    return _FLAG_RENAMES.get(name, "--" + name.replace("_", "-"))
+
+
+def _flag_keys() -> dict[str, str]:
+    return {flag_of(f.name): f"{section}.{f.name}" for section, cls in _SECTION_CLASSES.items() for f in fields(cls)}
 
 
 @dataclass
@@ -52,6 +71,11 @@ class ModelConfig:
     """DINO matching queries (default: the preset's, 900 in the recipe)."""
     dn_queries: int | None = None
     """DINO contrastive-denoising queries (default: the preset's, 100 in the recipe; 0 disables denoising)."""
+    pretrained_min_match: float = 0.9
+    """Share of the target's tensors (the backbone's for a backbone file, the model's for a full file) that a
+    --pretrained file must fill; fewer is an error (a file of another model), unless --allow-partial-pretrained."""
+    allow_partial_pretrained: bool = False
+    """Load whatever tensors of --pretrained match, however few (the match share is still reported)."""
 
     def __post_init__(self) -> None:
         _check(self.image_size >= 32 and self.image_size % 16 == 0, "--image-size",
@@ -68,8 +92,15 @@ class ModelConfig:
             self.grad_ckpt = [p for p in self.grad_ckpt.split(",") if p]
         if self.pretrained is not None:
             _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
-        _check(self.num_queries is None or self.num_queries > 0, "--num-queries", "must be > 0")
-        _check(self.dn_queries is None or self.dn_queries >= 0, "--dn-queries", "must be >= 0")
+        # upper bounds: the denoising attention mask and the matcher grow with the square of the query count
+        # (recipes use 900 and 100-300; dino.md §1.1), so a typo must not allocate terabytes
+        _check(self.num_queries is None or 0 < self.num_queries <= MAX_QUERIES, "--num-queries",
+               f"must be in 1..{MAX_QUERIES}, got {self.num_queries}")
+        _check(self.dn_queries is None or 0 <= self.dn_queries <= MAX_DN_QUERIES, "--dn-queries",
+               f"must be in 0..{MAX_DN_QUERIES}, got {self.dn_queries}")
+        _check(self.image_size <= 8192, "--image-size", f"must be <= 8192, got {self.image_size}")
+        _check(0.0 <= self.pretrained_min_match <= 1.0, "--pretrained-min-match",
+               f"must be in [0, 1], got {self.pretrained_min_match}")
 
 
 @dataclass
@@ -92,9 +123,11 @@ class DataConfig:
     """Detection: evaluation image folder (default: <data>/val2017)."""
     max_size: int | None = None
     """Detection: longest image side after resizing (default: image_size * 1333 / 800)."""
+    skip_bad_images: bool = False
+    """Skip unreadable image files (counted and named in the log at the end of each epoch) instead of stopping."""
 
     def __post_init__(self) -> None:
-        _check(self.num_workers >= 0, "--num-workers", "must be >= 0")
+        _check(0 <= self.num_workers <= 256, "--num-workers", f"must be in 0..256, got {self.num_workers}")
         if self.path != "demo":
             _check(Path(self.path).is_dir(), "--data", f"not a directory: {self.path}")
         if self.val_path is not None:
@@ -108,7 +141,8 @@ class DataConfig:
         for flag, value in (("--train-images", self.train_images), ("--val-images", self.val_images)):
             if value is not None:
                 _check(Path(value).is_dir(), flag, f"not a directory: {value}")
-        _check(self.max_size is None or self.max_size >= 32, "--max-size", "must be >= 32")
+        _check(self.max_size is None or MIN_DETECTION_SIZE <= self.max_size <= 16384, "--max-size",
+               f"must be in {MIN_DETECTION_SIZE}..16384 (the coarsest DINO feature stride is 64), got {self.max_size}")
 
 
 @dataclass
@@ -140,6 +174,9 @@ class OptimConfig:
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
         _check(all(m > 0 for m in self.milestones), "optim.milestones", "must be positive step numbers")
         _check(self.clip_grad >= 0, "--clip-grad", "must be >= 0 (0 disables)")
+        _check(self.lr <= 10.0, "--lr", f"must be <= 10, got {self.lr}")
+        _check(self.weight_decay <= 10.0, "--weight-decay", f"must be <= 10, got {self.weight_decay}")
+        _check(0 < self.gamma <= 1, "optim.gamma", f"must be in (0, 1], got {self.gamma}")
 
 
 @dataclass
@@ -186,6 +223,8 @@ class TrainConfig:
     seed: int = 42
     max_nonfinite: int = 5
     """Stop after this many consecutive steps with a non-finite loss."""
+    overwrite_output_dir: bool = False
+    """Start a new run in an --output-dir that holds an earlier run: its checkpoints and logs are deleted."""
 
     def __post_init__(self) -> None:
         _check(self.epochs is None or self.epochs > 0, "--epochs", f"must be > 0, got {self.epochs}")
@@ -197,6 +236,13 @@ class TrainConfig:
         _check(self.eval_every >= 0, "--eval-every", "must be >= 0")
         _check(self.log_every > 0, "--log-every", f"must be > 0, got {self.log_every}")
         _check(self.max_nonfinite > 0, "--max-nonfinite", "must be > 0")
+        _check(0 <= self.seed < 2**32, "--seed", f"must be in 0..2**32-1, got {self.seed}")
+        out = Path(self.output_dir)
+        _check(not out.exists() or out.is_dir(), "--output-dir", f"{out} is a file, not a directory")
+        _check(not (self.resume and self.resume_weights_only), "--resume-weights-only",
+               "cannot be combined with --resume (one continues a run, the other starts a new one from weights)")
+        _check(not (self.resume and self.overwrite_output_dir), "--overwrite-output-dir",
+               "cannot be combined with --resume (one continues the run in --output-dir, the other deletes it)")
         if self.resume is not None and self.resume != "auto":
             _check(Path(self.resume).is_dir(), "--resume", f"not a checkpoint directory: {self.resume}")
         if self.resume_weights_only is not None:
@@ -223,6 +269,15 @@ class RunConfig:
         for m in self.optim.milestones:
             _check(self.train.max_steps is None or m <= self.train.max_steps, "optim.milestones",
                    f"milestone {m} is beyond --max-steps {self.train.max_steps}")
+        _check(not (self.model.pretrained and self.train.resume_weights_only), "--pretrained",
+               "cannot be combined with --resume-weights-only (which replaces every weight)")
+        if self.task == "metric":
+            # BatchNorm in training needs two samples per channel (each rank normalises its own micro-batch)
+            _check(self.model.neck_norm != "bn" or self.train.batch_size >= 2, "--batch-size",
+                   "must be >= 2 with the BatchNorm embedding neck (--neck-norm bn); use --neck-norm ln for 1")
+        if self.task == "dino":
+            _check(self.model.image_size >= MIN_DETECTION_SIZE, "--image-size",
+                   f"must be >= {MIN_DETECTION_SIZE} for detection (the coarsest DINO feature stride is 64)")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -284,11 +339,67 @@ def build_config(task: str, file_values: dict[str, Any] | None = None,
                     raise ConfigError(f"--config: unknown key {section}.{k}; known: {', '.join(sorted(known))}")
                 if v is not None:
                     merged[section][k] = v
-    try:
-        sections = {name: cls(**merged[name]) for name, cls in _SECTION_CLASSES.items()}
-    except TypeError as e:  # wrong value types from YAML
-        raise ConfigError(f"--config: {e}") from None
+    if not isinstance(task, str):
+        raise ConfigError(f"--config: task must be a string, got {task!r}")
+    sections = {}
+    for name, cls in _SECTION_CLASSES.items():
+        hints = typing.get_type_hints(cls)
+        values = {k: coerce(v, hints[k], f"{flag_of(k)} ({name}.{k})") for k, v in merged[name].items()}
+        sections[name] = cls(**values)
     return RunConfig(task=task, **sections)
+
+
+def coerce(value: Any, hint: Any, where: str) -> Any:
+    """`value` as the declared type `hint`, or a ConfigError naming `where`. YAML 1.1 reads `1e-3` (no dot) as a
+    string, so numeric strings are accepted for numbers; a float is an int only when integral; floats must be
+    finite (--lr inf, nan are refused here, for every float field)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return coerce(value, hint, where)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
+            return value.lower() in ("true", "yes")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if hint is int:
+        number = _number(value, where, "an integer")
+        if not number.is_integer() or abs(number) >= 2**63:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(number)
+    if hint is float:
+        return _number(value, where, "a number")
+    if hint is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    if origin is list:
+        (item,) = args
+        if item is str and isinstance(value, str):
+            value = [p for p in value.split(",") if p]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [coerce(v, item, where) for v in value]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected {len(args)} values, got {value!r}")
+        return tuple(coerce(v, a, where) for v, a in zip(value, args))
+    raise TypeError(f"unsupported config type {hint!r}")  # a programming error, not a user one
+
+
+def _number(value: Any, where: str, kind: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected {kind}, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected {kind}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: must be finite, got {value!r}")
+    return number
 
 
 def load_run_config(path: str | Path) -> RunConfig:

@@ -8,9 +8,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from vtrain.errors import VtrainError
+
 
 def cache_root() -> Path:
-    return Path(os.environ.get("VTRAIN_CACHE", Path.home() / ".cache" / "vtrain"))
+    root = Path(os.environ.get("VTRAIN_CACHE", Path.home() / ".cache" / "vtrain"))
+    if root.exists() and not root.is_dir():
+        raise VtrainError(f"VTRAIN_CACHE: {root} is a file, not a directory")
+    return root
 
 
 def cached_dir(name: str, write: Callable[[Path], None]) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from vtrain.errors import VtrainError
+from vtrain.errors import BadSample, VtrainError
 
 MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics (MMD preprocessor 123.675/116.28/103.53, 58.395/57.12/57.375)
 STD = (0.229, 0.224, 0.225)
@@ -36,13 +37,16 @@ class AnnotationReport:
     crowd: int = 0
     clipped: int = 0
     dropped_empty: int = 0
+    dropped_nonfinite: int = 0
+    unknown_image: int = 0
     images_without_boxes: int = 0
     unreadable_images: list[str] = field(default_factory=list)
 
     def summary(self, name: str) -> str:
         return (f"{name}: {self.images} images, {self.boxes} boxes; crowd boxes left out {self.crowd}, clipped to the "
-                f"image {self.clipped}, dropped (no area) {self.dropped_empty}, images without boxes "
-                f"{self.images_without_boxes}")
+                f"image {self.clipped}, dropped (no area) {self.dropped_empty}, dropped (NaN/inf coordinates) "
+                f"{self.dropped_nonfinite}, annotations of image ids not in 'images' {self.unknown_image}, images "
+                f"without boxes {self.images_without_boxes}")
 
 
 def load_coco(ann_file: str | Path):
@@ -139,6 +143,9 @@ class CocoDetection(Dataset):
             raise VtrainError(f"{len(missing)} of {len(self.ids)} images listed in {self.ann_file.name} are missing "
                               f"from {self.image_dir}, e.g. {first}")
         self.targets = [self._clean(i) for i in self.ids]
+        self.report.unknown_image = sum(len(v) for k, v in self.coco.imgToAnns.items() if k not in self.coco.imgs)
+        if train and self.report.boxes == 0:
+            raise VtrainError(f"{self.ann_file}: no usable boxes to train on ({self.report.summary('annotations')})")
         self.transforms = train_transforms(size, max_size) if train else test_transforms(size, max_size)
         # aspect-ratio groups for batching (landscape / portrait), as the recipe's AspectRatioBatchSampler
         self.group_ids = [int(self.coco.imgs[i]["width"] < self.coco.imgs[i]["height"]) for i in self.ids]
@@ -165,7 +172,13 @@ class CocoDetection(Dataset):
             bbox = a.get("bbox")
             if not isinstance(bbox, list) or len(bbox) != 4:
                 raise VtrainError(f"{self.ann_file}: annotation {a.get('id')} has a malformed bbox {bbox!r}")
-            x, y, bw, bh = (float(v) for v in bbox)
+            try:
+                x, y, bw, bh = (float(v) for v in bbox)
+            except (TypeError, ValueError):
+                raise VtrainError(f"{self.ann_file}: annotation {a.get('id')} has a malformed bbox {bbox!r}") from None
+            if not all(map(math.isfinite, (x, y, bw, bh))):
+                r.dropped_nonfinite += 1
+                continue
             x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + bw, w), min(y + bh, h)
             if (x0, y0, x1, y1) != (x, y, x + bw, y + bh):
                 r.clipped += 1
@@ -186,7 +199,8 @@ class CocoDetection(Dataset):
         try:
             return decode_image(str(path), mode=ImageReadMode.RGB)
         except Exception as e:
-            raise VtrainError(f"cannot decode image {path}: {e}") from None
+            raise BadSample(f"cannot decode image {path}: {' '.join(str(e).split())[:200]} "
+                            "(--skip-bad-images skips unreadable files)") from None
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, torch.Tensor]:
         # The sampler passes (epoch, index): the augmentation is seeded by both (in a forked RNG, so the

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as TF
 
 from vtrain.config import DataConfig
 from vtrain.data.demo_faces import ensure_demo_faces
-from vtrain.errors import VtrainError
+from vtrain.errors import BadSample, VtrainError
 
 
 @dataclass
@@ -38,7 +39,8 @@ def load_image(path: str, size: int) -> torch.Tensor:
     try:
         img = decode_image(str(path), mode=ImageReadMode.RGB)
     except Exception as e:
-        raise VtrainError(f"cannot decode image {path}: {e}") from None
+        raise BadSample(f"cannot decode image {path}: {' '.join(str(e).split())[:200]} "
+                        "(--skip-bad-images skips unreadable files)") from None
     if img.shape[-2:] != (size, size):
         img = TF.resize(img, [size, size], antialias=True)
     return img.float().div_(127.5).sub_(1.0)
@@ -47,15 +49,15 @@ def load_image(path: str, size: int) -> torch.Tensor:
 class FaceFolder(Dataset):
     """root/<identity>/<image>; labels are the sorted identity folder indices."""
 
-    def __init__(self, root: str | Path, image_size: int, train: bool = True, seed: int = 0) -> None:
+    def __init__(self, root: str | Path, image_size: int, train: bool = True, seed: int = 0,
+                 skip_bad: bool = False) -> None:
         self.root, self.image_size, self.train, self.seed = Path(root), image_size, train, seed
-        try:
-            self.classes, class_to_idx = find_classes(str(self.root))
-            self.samples = make_dataset(str(self.root), class_to_idx, extensions=IMG_EXTENSIONS)
-        except (FileNotFoundError, OSError) as e:
-            raise VtrainError(f"--data: no identity folders with images under {self.root} ({e})") from None
+        self.classes, self.samples, self.empty_files = scan_identity_tree(self.root)
+        if self.empty_files and not skip_bad:
+            raise BadSample(f"--data: {len(self.empty_files)} empty image files under {self.root}, e.g. "
+                            f"{self.empty_files[0]} (--skip-bad-images leaves them out)")
         if len(self.classes) < 2:
-            raise VtrainError(f"--data: need at least 2 identity folders under {self.root}")
+            raise VtrainError(f"--data: need at least 2 identity folders with images under {self.root}")
         self.targets = [t for _, t in self.samples]
 
     @property
@@ -76,6 +78,41 @@ class FaceFolder(Dataset):
             if g.random() < 0.5:
                 img = img.flip(-1)
         return {"images": img, "labels": torch.tensor(label), "index": torch.tensor(idx)}
+
+
+def scan_identity_tree(root: Path) -> tuple[list[str], list[tuple[str, int]], list[str]]:
+    """root/<identity>/**/<image>: (identity names, (path, label) samples, empty files left out).
+
+    Directory symlinks are followed, but a directory reached twice (a symlink loop, or two identities that are
+    the same folder) is an error: it would silently multiply an identity or give its images two labels."""
+    try:
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    except OSError as e:
+        raise VtrainError(f"--data: cannot read {root} ({e.strerror})") from None
+    seen: dict[tuple[int, int], Path] = {}
+    samples: list[tuple[str, int]] = []
+    empty: list[str] = []
+    exts = tuple(IMG_EXTENSIONS)
+
+    def walk(d: Path, label: int) -> None:
+        st = d.stat()
+        if (st.st_dev, st.st_ino) in seen:
+            raise VtrainError(f"--data: {d} is the same directory as {seen[(st.st_dev, st.st_ino)]} (a symlink loop "
+                              "or a duplicated identity); remove the link")
+        seen[(st.st_dev, st.st_ino)] = d
+        entries = sorted(os.scandir(d), key=lambda e: e.name)
+        for e in entries:
+            if e.is_dir():
+                walk(Path(e.path), label)
+            elif e.is_file() and e.name.lower().endswith(exts):
+                if e.stat().st_size == 0:
+                    empty.append(e.path)
+                else:
+                    samples.append((e.path, label))
+
+    for label, name in enumerate(classes):
+        walk(root / name, label)
+    return classes, samples, empty
 
 
 def read_pairs(path: Path) -> list[tuple[str, str, bool]]:

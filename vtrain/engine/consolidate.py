@@ -24,6 +24,7 @@ import torch
 
 from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
+from vtrain.safeio import check_dcp, enforce_weights_only
 
 Item = tuple[str, torch.Tensor, bool]  # name, tensor, is_buffer
 
@@ -62,14 +63,12 @@ def detect(path: str | Path) -> Source:
     if not any(p.iterdir()):
         raise VtrainError(f"{path}: empty directory")
     if not ckpt.is_checkpoint(p) and (p / "checkpoints").is_dir():
-        found = ckpt.find(p)
-        if found is None:
-            raise VtrainError(f"{path}: a run directory without any complete checkpoint")
-        return _in_vtrain_checkpoint(found)
-    if p.name.startswith(".tmp-step_") or ((p / "train_state.pt").exists() and not (p / ckpt.COMPLETE).exists()):
-        raise VtrainError(f"{path}: a half-written checkpoint (no {ckpt.COMPLETE} marker); use an earlier one")
+        return _in_vtrain_checkpoint(ckpt.find_verified(p, "CKPT"))
+    if p.name.startswith(".tmp-step_") or (any((p / n).exists() for n in (ckpt.TRAIN_STATE, ckpt.LEGACY_TRAIN_STATE))
+                                           and not ckpt.is_checkpoint(p)):
+        raise VtrainError(f"{path}: a half-written checkpoint (no {ckpt.COMPLETE} manifest); use an earlier one")
     if ckpt.is_checkpoint(p):
-        return _in_vtrain_checkpoint(p)
+        return _in_vtrain_checkpoint(ckpt.find_verified(p, "CKPT"))
     return _plain(p, p)
 
 
@@ -103,10 +102,21 @@ def _natural(s: str) -> list:
 def _read_deepspeed(tag: Path, notes: list[str], aliases: dict[str, str]) -> Iterator[Item]:
     optim_files = sorted(glob.glob(str(tag / "*_optim_states.pt")), key=_natural)
     model_files = sorted(glob.glob(str(tag / "*model_states.pt")), key=_natural)
-    if not optim_files or not model_files:
-        raise VtrainError(f"{tag}: missing *_optim_states.pt or *_model_states.pt files")
+    if not model_files:
+        raise VtrainError(f"{tag}: missing *_model_states.pt files")
+    if not optim_files:  # ZeRO-0: the whole module (fp32 master weights under torch_autocast) is in the model file
+        ms = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(ms.get("module"), dict):
+            raise VtrainError(f"{tag}: no *_optim_states.pt files and no module in {Path(model_files[0]).name}")
+        notes.append("ZeRO-0 (no partitioning): weights from the saved module")
+        aliases.update(ms.get("shared_params") or {})
+        buffers = set(ms.get("buffer_names", []))
+        for name, t in ms["module"].items():
+            if name not in aliases:
+                yield name, _noted(t, name, notes, "buffer" if name in buffers else "parameter"), name in buffers
+        return
     # mmap: only the slices we read come into memory; the Adam moments are never read
-    optims = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+    optims = [torch.load(f, map_location="cpu", mmap=True, weights_only=True)["optimizer_state_dict"]
               for f in optim_files]
     stage = optims[0].get("zero_stage")
     world = optims[0]["partition_count"]
@@ -114,7 +124,7 @@ def _read_deepspeed(tag: Path, notes: list[str], aliases: dict[str, str]) -> Ite
     if world != len(optims):
         raise VtrainError(f"{tag}: {len(optims)} optimizer shards but the checkpoint was written by {world} ranks "
                           "(overwritten or incomplete checkpoint)")
-    ms = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=False)
+    ms = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=True)
     stage = int(stage) if stage is not None else None
     notes.append(f"ZeRO-{stage}, {world} ranks")
     aliases.update(ms.get("shared_params") or {})  # before yielding: the writer keeps the tied sources
@@ -151,7 +161,7 @@ def _read_deepspeed(tag: Path, notes: list[str], aliases: dict[str, str]) -> Ite
     frozen = ms.get("frozen_param_shapes") or {}
     if frozen:
         if stage == 3:
-            states = [torch.load(f, map_location="cpu", mmap=True, weights_only=False) for f in model_files]
+            states = [torch.load(f, map_location="cpu", mmap=True, weights_only=True) for f in model_files]
             for name, shape in frozen.items():
                 t = torch.cat([s["frozen_param_fragments"][name].reshape(-1) for s in states])[: math.prod(shape)]
                 yield name, _noted(t.view(tuple(shape)), name, notes, "frozen parameter"), False
@@ -199,6 +209,7 @@ def _read_dcp(path: Path, notes: list[str], aliases: dict[str, str]) -> Iterator
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    check_dcp([path])  # DCP reads its .metadata with plain pickle.load
     reader = dcp.FileSystemReader(str(path))
     meta = reader.read_metadata()
     keys = [k for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
@@ -297,7 +308,7 @@ def parse_size(text: str | None) -> int | None:
 
 def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,
                 max_shard_size: int | None = None, allow_nonfinite: bool = False,
-                check_model: bool = False) -> Report:
+                check_model: bool = False, overwrite: bool = False) -> Report:
     """Stream `path` into `out` (.safetensors or .pt, sharded above max_shard_size), scanning every tensor
     for inf/NaN. safetensors output is written tensor by tensor as each is completed (RAM holds one tensor plus
     the reader's memory-mapped pages; `.pt` output needs the whole dict once). Nothing appears at OUT when
@@ -305,6 +316,12 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
     out = Path(out)
     if out.suffix not in (".safetensors", ".pt", ".bin"):
         raise VtrainError(f"OUT must end in .safetensors or .pt, got {out.name}")
+    if out.is_dir():
+        raise VtrainError(f"OUT {out} is a directory; give a file name ending in .safetensors or .pt")
+    existing = [f for f in (out, out.parent / f"{out.name}.index.json") if f.exists()]
+    if existing and not overwrite:
+        raise VtrainError(f"OUT {existing[0]} exists; --overwrite replaces it")
+    enforce_weights_only()  # DeepSpeed's checkpoint files hold its own types (safeio.py)
     src = detect(path)
     report = Report(src)
     out.parent.mkdir(parents=True, exist_ok=True)

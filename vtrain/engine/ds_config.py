@@ -53,7 +53,11 @@ def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_ac
         raise ConfigError(f"--ds-config {source}: zero_optimization.stage must be 0-3, got {stage!r}")
 
     def offloaded(key: str) -> bool:
-        dev = (zero.get(key) or {}).get("device", "none")
+        section = zero.get(key) or {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"--ds-config {source}: zero_optimization.{key} must be an object like "
+                              f'{{"device": "cpu"}}, got {section!r}')
+        dev = section.get("device", "none")
         if dev not in ("none", "cpu", "nvme"):
             raise ConfigError(f"--ds-config {source}: zero_optimization.{key}.device must be none/cpu/nvme")
         return dev != "none"

@@ -25,6 +25,7 @@ from vtrain.engine import precision as prec
 from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
+from vtrain.safeio import check_dcp
 
 
 def _free_port() -> int:
@@ -270,8 +271,6 @@ class ParallelEngine:
 
             msd, osd = get_state_dict(self.model, self.optimizer)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "fsdp"))
-        if self.scaler is not None and self.accelerator.is_main_process:
-            torch.save(self.scaler.state_dict(), path / "scaler.pt")
 
     def load(self, path: Path) -> None:
         self.accelerator.load_state(str(path / "accelerate"))
@@ -281,13 +280,38 @@ class ParallelEngine:
 
             if not (path / "fsdp").is_dir():
                 raise VtrainError(f"--resume: {path} holds no FSDP state (was it saved by another engine?)")
+            check_dcp([path / "fsdp"])  # DCP reads its .metadata with plain pickle.load
             msd, osd = get_state_dict(self.model, self.optimizer)
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=str(path / "fsdp"))
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
-        if self.scaler is not None and (path / "scaler.pt").is_file():
-            self.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
+
+    def use_universal_checkpoint(self) -> None:
+        """Before prepare: the DeepSpeed engine will load a universal checkpoint (another world size). Accelerate
+        hands this dict to deepspeed.initialize in prepare."""
+        self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+
+    def parameters_finite(self) -> bool:
+        """Whether every parameter (this rank's shard under ZeRO-3 / FSDP2) is finite, on all ranks. Collective."""
+        from torch.distributed.tensor import DTensor
+
+        if self.plan.kind == "deepspeed" and self.plan.zero_stage == 3:
+            local = [p.ds_tensor for p in self.model.module.parameters()]
+        else:
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+        flag = torch.ones((), device=self.device)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in local:
+            if t.numel():
+                by_device.setdefault(t.device, []).append(t.detach())
+        for tensors in by_device.values():
+            # max |x| per tensor: inf for an inf, NaN for a NaN; one reduction per tensor, one sync in all
+            peaks = torch.stack(torch._foreach_norm(tensors, float("inf")))
+            flag = flag * torch.isfinite(peaks).all().to(flag.device)
+        if self.plan.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def load_resharded_deepspeed(self, path: Path, work_dir: Path) -> None:
         """Resume a ZeRO checkpoint saved by another number of processes: convert it once to DeepSpeed's universal

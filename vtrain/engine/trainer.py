@@ -6,10 +6,13 @@ accumulation window) so tests can call it; `fit` is the loop.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
+import signal
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +24,17 @@ from torch.utils.data import DataLoader
 
 from vtrain.config import RunConfig
 from vtrain.data.sampler import ShardedEpochSampler
+from vtrain.data.skip import SkipBadSamples, with_bad_list
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine import rundir
+from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted, ignore_in_worker
 from vtrain.engine.logging import RunLogger, StepTimer, peak_memory_gb
 from vtrain.engine.optim import build_optimizer, build_scheduler
 from vtrain.engine.parallel import ParallelEngine, build_accelerator
 from vtrain.engine.plan import resolve_plan
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict, read_state_dict
+from vtrain.safeio import enforce_weights_only
 from vtrain.tasks import build_task
 
 
@@ -37,72 +44,160 @@ def _debug_crash(var: str, step: int) -> None:
         os._exit(17)
 
 
+def _debug_signal(step: int, rank: int) -> None:
+    """Fault injection for the preemption tests: `VTRAIN_DEBUG_SIGNAL_AT_STEP=N[@RANK]` sends this process a
+    SIGTERM while it trains step N (on every rank, or only on RANK), through the real signal handler."""
+    spec = os.environ.get("VTRAIN_DEBUG_SIGNAL_AT_STEP", "")
+    at, _, who = spec.partition("@")
+    if at == str(step) and who in ("", str(rank)):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _debug_nonfinite(what: str, step: int) -> bool:
+    """Fault injection for the non-finite guards: `VTRAIN_DEBUG_NONFINITE=loss@N` makes every loss from step N on
+    NaN; `param@N` turns a weight into inf after step N (what an overflowing update does)."""
+    kind, _, at = os.environ.get("VTRAIN_DEBUG_NONFINITE", "").partition("@")
+    return kind == what and at.isdigit() and step >= int(at)
+
+
+class _AgreedError(VtrainError):
+    """An error rank 0 found and told the other ranks about: they exit quietly, rank 0 prints it once."""
+
+    quiet = True
+
+
 class Trainer:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, interrupt: GracefulInterrupt | None = None) -> None:
         self.cfg = cfg
         t = cfg.train
-        # 1. launch plan, then the process group: everything below may run collectives. A ZeRO checkpoint of
-        # another world size is loaded in DeepSpeed's universal format, which must be set before the engine exists.
+        enforce_weights_only()  # no file read on this run's behalf may run code (safeio.py)
+        self.interrupt = interrupt or GracefulInterrupt().install()
+        # 1. launch plan, then the process group: everything below may run collectives.
         self.plan = resolve_plan(cfg)
         self.out = Path(t.output_dir)
-        self.resumed_from = ckpt.resolve_resume(t.resume, self.out)
-        self.saved_state = (torch.load(self.resumed_from / "train_state.pt", weights_only=False)
-                            if self.resumed_from is not None else None)
-        self.reshard_deepspeed = (self.plan.kind == "deepspeed" and self.saved_state is not None
-                                  and self.saved_state["engine"] == "deepspeed"
-                                  and self.saved_state["world_size"] != self.plan.world_size)
-        if self.reshard_deepspeed:
-            self.plan.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.accelerator = build_accelerator(self.plan, t.grad_accum)
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
+        self.interrupt.use_group(self.world)
+        # 2. the output directory: rank 0 locks it (one run per directory) and checks what it may hold, before
+        # anything is written; then the checkpoint to resume, verified on all ranks, each hashing a share.
+        self.lock = None
+        notes = self._agree(self._claim_output_dir)
+        self.resumed_from, resume_notes = self._choose_resume()
+        self.logger_notes: list[str] = notes + resume_notes
+        self.saved_state = ckpt.read_train_state(self.resumed_from) if self.resumed_from is not None else None
+        manifest = ckpt.read_manifest(self.resumed_from) if self.resumed_from is not None else None
+        # the lineage: pruning deletes only checkpoints carrying this id; a resumed run keeps its checkpoint's
+        self.run_id = (manifest.run_id if manifest is not None and manifest.run_id else None) or \
+            self._agree(lambda: uuid.uuid4().hex)
         if self.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
             cfg.save(self.out / "config.yaml")
-        # 2. identical initial weights on every rank (FSDP2 shards from the full init; DDP would broadcast).
+            if t.resume is not None:
+                rundir.truncate_logs(self.out, self.saved_state["step"] if self.saved_state else 0)
+        # 3. identical initial weights on every rank (FSDP2 shards from the full init; DDP would broadcast).
         set_seed(t.seed)
         with self.accelerator.main_process_first():  # rank 0 writes the demo data once; the others then read it
             self.task = build_task(cfg)
             dataset = self.task.train_dataset()
-        # 3. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
+        # 4. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
         model = self.task.build_model()
-        self.pretrained_msg = self.task.load_pretrained(model) if cfg.model.pretrained else ""
+        self.pretrained_msg = ""
+        if cfg.model.pretrained and self.resumed_from is None:
+            self.pretrained_msg = self.task.load_pretrained(model)
         if t.resume_weights_only:
             load_strict(model, read_state_dict(t.resume_weights_only), "--resume-weights-only",
                         f"{t.resume_weights_only} does not fit this model")
             self.pretrained_msg = f"weights loaded from {t.resume_weights_only} (fresh optimizer and schedule)"
         self.engine = ParallelEngine(self.plan, self.accelerator)
+        # A ZeRO checkpoint of another world size is loaded in DeepSpeed's universal format, which must be
+        # configured before the engine exists (prepare, below).
+        self.reshard_deepspeed = (self.plan.kind == "deepspeed" and self.saved_state is not None
+                                  and self.saved_state["engine"] == "deepspeed"
+                                  and self.saved_state["world_size"] != self.world)
+        if self.reshard_deepspeed:
+            self.engine.use_universal_checkpoint()
         model = self.engine.shard(model)
-        # 4. parameter groups and optimizer (after FSDP2: they must see the DTensor parameters)
+        # 5. parameter groups and optimizer (after FSDP2: they must see the DTensor parameters)
         optimizer = build_optimizer(model, cfg.optim, self.plan)
-        # 5. data: our own sharded, resumable sampler (Accelerate does not shard it; see sampler.py)
+        # 6. data: our own sharded, resumable sampler (Accelerate does not shard it; see sampler.py)
         self.sampler = ShardedEpochSampler(len(dataset), t.batch_size, self.rank, self.world, seed=t.seed,
                                            group_ids=getattr(dataset, "group_ids", None))
         if self.sampler.batches_per_epoch < 1:
             raise VtrainError(f"--batch-size {t.batch_size} x {self.world} processes exceeds the "
                               f"{len(dataset)} training images")
-        self.dataset = dataset
+        self.dataset = SkipBadSamples(dataset) if cfg.data.skip_bad_images else dataset
         per_epoch = self.sampler.batches_per_epoch // t.grad_accum
         if t.max_steps is None and per_epoch < 1:
             raise VtrainError(f"one epoch has {self.sampler.batches_per_epoch} micro-batches per process, fewer "
                               f"than --grad-accum {t.grad_accum}; lower it or set --max-steps")
         self.total_steps = t.max_steps or (t.epochs or 1) * per_epoch
-        # 6. one prepare (DDP wrap / DeepSpeed engine); the scheduler computes LRs, engine.set_lrs applies them
+        # 7. one prepare (DDP wrap / DeepSpeed engine); the scheduler computes LRs, engine.set_lrs applies them
         self.model, self.optimizer = self.engine.prepare(model, optimizer)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.active = self.engine.active()
         self.engine.verify(self.active)
-        # 7. resume (model, optimizer, RNG through the engine; step, schedule, counters here)
+        # 8. resume (model, optimizer, RNG through the engine; step, schedule, counters here)
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
         self.overflow_skips = 0
         self.consecutive_nonfinite = 0
-        self.logger_notes: list[str] = []
+        self.bad_files: list[str] = []
         if self.resumed_from is not None:
             self._load(self.resumed_from)
         self.logger = RunLogger(self.out, self.is_main, self.total_steps, self.step)
         self._first_batch_indices: list[int] | None = None
+
+    # ---- output directory and resume ------------------------------------------------------------------------
+    def _agree(self, fn):
+        """Run `fn` on rank 0 and hand its result (or its user error) to every rank. Collective."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except VtrainError as e:
+                error = str(e)
+                if self.world == 1:
+                    raise
+        if self.world > 1:
+            box = [result, error]
+            dist.broadcast_object_list(box, src=0)
+            result, error = box
+        if error is not None:
+            raise VtrainError(error) if self.is_main else _AgreedError(error)
+        return result
+
+    def _claim_output_dir(self) -> list[str]:
+        t = self.cfg.train
+        self.lock, notes = rundir.claim(self.out, t.resume, t.overwrite_output_dir)
+        atexit.register(self.lock.release)  # also on errors; a killed run's lock is detected as stale
+        return notes
+
+    def _choose_resume(self) -> tuple[Path | None, list[str]]:
+        """The checkpoint to continue from: the one --resume names, or for `auto` the newest one in the output
+        directory that verifies (damaged ones are skipped and named). Every rank checks sizes and hashes its
+        share of the files; all ranks see the same verdict."""
+        resume = self.cfg.train.resume
+        if resume is None:
+            return None, []
+        candidates = [Path(p) for p in self._agree(lambda: [str(c) for c in ckpt.resume_candidates(resume, self.out)])]
+        notes = []
+        for cand in candidates:
+            problem = ckpt.verify(cand, self.rank, self.world)
+            problems = [problem]
+            if self.world > 1:
+                problems = [None] * self.world
+                dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), None)
+            if problem is None:
+                return cand, notes
+            if resume != "auto":
+                raise VtrainError(f"--resume: damaged checkpoint: {problem}")
+            notes.append(f"--resume auto: skipped the damaged checkpoint {cand.name} ({problem})")
+        if candidates:
+            raise VtrainError(f"--resume auto: no checkpoint in {ckpt.checkpoint_dir(self.out)} verifies; "
+                              f"newest: {notes[0].split('(', 1)[1][:-1]}")
+        return None, notes
 
     # ---- description -----------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -129,9 +224,11 @@ class Trainer:
         workers = self.cfg.data.num_workers
         # one loader for the whole run: persistent workers are not re-spawned every epoch (small datasets), and
         # the sampler runs in this process, so its new position applies to the next iteration
+        collate = with_bad_list(self.task.collate_fn) if self.cfg.data.skip_bad_images else self.task.collate_fn
         loader = DataLoader(self.dataset, batch_size=self.cfg.train.batch_size, sampler=self.sampler,
-                            num_workers=workers, drop_last=True, collate_fn=self.task.collate_fn,
-                            persistent_workers=workers > 0, pin_memory=self.accelerator.device.type == "cuda")
+                            num_workers=workers, drop_last=True, collate_fn=collate,
+                            persistent_workers=workers > 0, pin_memory=self.accelerator.device.type == "cuda",
+                            worker_init_fn=ignore_in_worker)
         while True:
             self.sampler.set_position(epoch, offset)
             for batch in loader:
@@ -156,6 +253,8 @@ class Trainer:
                 with self.engine.forward_context():
                     out = self.model(**inputs)
                 loss = out["loss"]
+                if _debug_nonfinite("loss", self.step + 1):
+                    loss = loss * float("nan")
                 finite = self.engine.all_finite(loss)
                 if finite:
                     self.engine.backward(loss, accum)
@@ -179,6 +278,9 @@ class Trainer:
             self.skipped_steps += 1
             self.consecutive_nonfinite += 1
         self.step += 1
+        if _debug_nonfinite("param", self.step):
+            with torch.no_grad():
+                next(p for p in self.model.parameters() if p.numel()).view(-1)[:1].fill_(float("inf"))
         self.consumed_samples += accum * self.cfg.train.batch_size * self.world
         stats = {k: v / accum for k, v in sums.items()} if window_ok else {"loss": float("nan")}
         stats["grad_norm"] = grad_norm
@@ -200,13 +302,19 @@ class Trainer:
         timer = StepTimer()
         window: dict[str, float] = {}
         last_eval: dict[str, Any] | None = None
+        epoch = None
         while self.step < self.total_steps:
             _debug_crash("VTRAIN_DEBUG_CRASH_AT_STEP", self.step + 1)
+            _debug_signal(self.step + 1, self.rank)
             batches = []
             for _ in range(t.grad_accum):
                 t0 = time.perf_counter()
-                epoch, batch = next(stream)
+                batch_epoch, batch = next(stream)
                 timer.add_data(time.perf_counter() - t0)
+                if epoch is not None and batch_epoch != epoch:
+                    self._report_bad_files(epoch)
+                epoch = batch_epoch
+                self.bad_files += batch.pop("bad", [])
                 batches.append(batch)
             if self._first_batch_indices is None:
                 self._first_batch_indices = batches[0]["index"].tolist()
@@ -218,7 +326,11 @@ class Trainer:
                     window[k] = window.get(k, 0.0) + v
                     window[f"n_{k}"] = window.get(f"n_{k}", 0) + 1
             self.logger.advance()
+            signum = self.interrupt.requested()  # collective: every rank stops at the same step
+            if signum:
+                self._stop_interrupted(signum)
             if self.step % t.log_every == 0 or self.step == self.total_steps:
+                self._check_parameters()
                 self._log(epoch, window, timer)
                 window = {}
                 timer.reset()
@@ -230,16 +342,52 @@ class Trainer:
                 last_eval = self.evaluate()
             if self.step % t.save_every == 0 or self.step == self.total_steps:
                 self.save()
+        if epoch is not None:
+            self._report_bad_files(epoch)
         if self.total_steps > 0:
             last_eval = self.evaluate()
         self.logger.close()
         self.close()
         return last_eval
 
+    def _stop_interrupted(self, signum: int) -> None:
+        """Preemption (interrupt.py): checkpoint the step just finished on all ranks, then leave."""
+        path = self.save()
+        self.logger.close()
+        self.close()
+        raise TrainingInterrupted(f"interrupted at step {self.step} ({signal.Signals(signum).name}); checkpoint "
+                                  f"written to {path}; continue with --resume auto", 128 + signum)
+
+    def _check_parameters(self) -> None:
+        """Stop before a non-finite model is logged as fine or saved: a step can turn weights into inf/NaN with a
+        finite loss (a huge LR). Non-finite weights stay non-finite, so checking at log and save time is enough.
+        Collective."""
+        if not self.engine.parameters_finite():
+            self.logger.close()
+            last = ckpt.complete_checkpoints(self.out, self.run_id)
+            raise VtrainError(f"stopping: the model's parameters became inf/NaN by step {self.step}; nothing was "
+                              f"saved from this state (last good checkpoint: {last[-1] if last else 'none'}); lower "
+                              "--lr or raise --warmup-steps")
+
+    def _report_bad_files(self, epoch: int) -> None:
+        """--skip-bad-images: name the files skipped in an epoch (all ranks' together). Collective."""
+        if not self.cfg.data.skip_bad_images:
+            return
+        mine, self.bad_files = self.bad_files, []
+        every = [mine]
+        if self.world > 1:
+            every = [None] * self.world
+            dist.all_gather_object(every, mine)
+        bad = sorted({b for files in every for b in files})
+        if bad:
+            self.logger.info(f"epoch {epoch}: skipped {len(bad)} unreadable images, e.g. {bad[0]}")
+
     def close(self) -> None:
         """Leave the process group cleanly: a gloo group torn down at interpreter exit can abort the process
         ('terminate called without an active exception') after a successful run."""
         self.accelerator.wait_for_everyone()
+        if self.lock is not None:
+            self.lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -286,7 +434,10 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def save(self) -> Path:
+        """Write a checkpoint of the current step on all ranks: engine state, full fp32 weights, the loop's state,
+        then a manifest with every file's size and SHA-256 (hashed by all ranks in parallel). Collective."""
         t = self.cfg.train
+        self._check_parameters()
         tmp = ckpt.begin(self.out, self.step, self.is_main)
         self.accelerator.wait_for_everyone()
         self.engine.sync_buffers()
@@ -295,16 +446,23 @@ class Trainer:
         _debug_crash("VTRAIN_DEBUG_CRASH_IN_SAVE", self.step)
         if self.is_main:
             save_file(full, str(tmp / "model.safetensors"))
-            torch.save({"step": self.step, "consumed_samples": self.consumed_samples,
-                        "scheduler": self.scheduler.state_dict(),
-                        "skipped_steps": self.skipped_steps, "overflow_skips": self.overflow_skips,
-                        "consecutive_nonfinite": self.consecutive_nonfinite,
-                        "world_size": self.world, "engine": self.plan.kind}, tmp / "train_state.pt")
+            ckpt.write_json(tmp / ckpt.TRAIN_STATE, {
+                "step": self.step, "consumed_samples": self.consumed_samples,
+                "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps,
+                "overflow_skips": self.overflow_skips, "consecutive_nonfinite": self.consecutive_nonfinite,
+                "world_size": self.world, "engine": self.plan.kind,
+                "scaler": self.engine.scaler.state_dict() if self.engine.scaler is not None else None})
             self.cfg.save(tmp / "config.yaml")
         self.accelerator.wait_for_everyone()
+        files = self._agree(lambda: ckpt.payload_files(tmp))
+        digests = ckpt.digest_share(tmp, files, self.rank, self.world)
+        if self.world > 1:
+            shares = [None] * self.world
+            dist.all_gather_object(shares, digests)
+            digests = {k: v for share in shares for k, v in share.items()}
         final = ckpt.final_path(self.out, self.step)
         if self.is_main:
-            final = ckpt.commit(self.out, self.step, t.keep_last)
+            final = ckpt.commit(self.out, self.step, self.run_id, digests, t.keep_last)
             self.logger.info(f"saved {final}")
         self.accelerator.wait_for_everyone()
         return final
@@ -326,9 +484,11 @@ class Trainer:
         self.consumed_samples = state["consumed_samples"]
         if state["world_size"] != self.world:
             self.logger_notes.append(f"resharded: saved by {state['world_size']} processes, resumed on {self.world}")
-        self.skipped_steps = state["skipped_steps"]
+        self.skipped_steps = state.get("skipped_steps", 0)
         self.overflow_skips = state.get("overflow_skips", 0)
-        self.consecutive_nonfinite = state["consecutive_nonfinite"]
+        self.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
+        if self.engine.scaler is not None and state.get("scaler"):
+            self.engine.scaler.load_state_dict(state["scaler"])
 
     def _write_run_info(self) -> None:
         """What is really active on every rank (read from live objects), for users and tests."""

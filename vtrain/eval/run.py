@@ -20,9 +20,7 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
                         task_name: str | None = None, save_predictions: str | None = None) -> tuple[Any, dict]:
     """Returns (task, metrics). `data` holds DataConfig overrides (path, val_path, pairs_file, val_ann, ...);
     unset values fall back to the data the run was trained on."""
-    path = ckpt.find(checkpoint)
-    if path is None:
-        raise VtrainError(f"--checkpoint: {checkpoint} is neither a complete checkpoint nor a run directory with one")
+    path = ckpt.find_verified(checkpoint, "--checkpoint")
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise VtrainError(f"--checkpoint: {path} has no model.safetensors")

@@ -34,8 +34,10 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             sd = load_file(str(path))
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
+    except VtrainError:  # e.g. safeio's refusal of a pickle that would run code: already one clear line
+        raise
     except Exception as e:  # corrupt or foreign file: a user problem, not a crash
-        raise VtrainError(f"cannot read weights from {path}: {e}") from None
+        raise VtrainError(f"cannot read weights from {path}: {' '.join(str(e).split())[:300]}") from None
     for key in ("state_dict", "model", "module"):
         if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
             sd = sd[key]
@@ -50,6 +52,17 @@ def load_strict(model: nn.Module, sd: dict[str, torch.Tensor], flag: str, what: 
         model.load_state_dict(sd, strict=True)
     except RuntimeError as e:
         raise VtrainError(f"{flag}: {what}: {' '.join(str(e).split())[:300]}") from None
+
+
+def check_match(path: str, what: str, loaded: int, total: int, min_share: float, allow_partial: bool) -> str:
+    """A --pretrained file must fill at least `min_share` of the target's tensors: fewer means a file of another
+    model (it would silently train from scratch). Returns the share as text for the log."""
+    share = loaded / max(total, 1)
+    text = f"{loaded}/{total} tensors of the {what} ({share:.0%})"
+    if share < min_share and not allow_partial:
+        raise VtrainError(f"--pretrained: {path} fills only {text}, below --pretrained-min-match {min_share:g}; is it "
+                          "a file of another model? (--allow-partial-pretrained loads it anyway)")
+    return text
 
 
 def load_backbone_weights(backbone: nn.Module, sd: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:

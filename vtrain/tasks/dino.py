@@ -20,7 +20,7 @@ from vtrain.data.demo_shapes import ensure_demo_shapes
 from vtrain.data.sampler import eval_shard
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
-from vtrain.models.backbones import load_backbone_weights, read_state_dict
+from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.dino import DINO, postprocess
 from vtrain.tasks import build_model
 
@@ -103,7 +103,8 @@ class DinoTask:
     def load_pretrained(self, model: DINO) -> str:
         """--pretrained: a full detector file (vtrain keys) or a backbone file in timm or original Swin/ResNet
         layout. Class-specific tensors of another class count are left at their initialisation."""
-        path = self.cfg.model.pretrained
+        m = self.cfg.model
+        path = m.pretrained
         sd = read_state_dict(path)
         if any(k.startswith("backbone.body.") for k in sd):
             own = model.state_dict()
@@ -112,10 +113,15 @@ class DinoTask:
             keep = {k: v for k, v in sd.items() if k in own and k not in reinit}
             res = model.load_state_dict(keep, strict=False)
             missing = [k for k in res.missing_keys if k not in reinit]
-            return (f"loaded detector {path}: missing {len(missing)} {missing[:3]}, unexpected "
+            share = check_match(path, "detector", len(own) - len(res.missing_keys), len(own) - len(reinit),
+                                m.pretrained_min_match, m.allow_partial_pretrained)
+            return (f"loaded detector {path}: {share}, missing {len(missing)} {missing[:3]}, unexpected "
                     f"{len(unexpected)} {unexpected[:3]}, re-initialised (other shape) {len(reinit)} {reinit[:3]}")
         missing, unexpected = load_backbone_weights(model.backbone.body, sd)
-        return (f"loaded backbone {path}: missing {len(missing)} {missing[:3]}, unused {len(unexpected)} "
+        total = len(model.backbone.body.state_dict())
+        share = check_match(path, "backbone", total - len(missing), total, m.pretrained_min_match,
+                            m.allow_partial_pretrained)
+        return (f"loaded backbone {path}: {share}, missing {len(missing)} {missing[:3]}, unused {len(unexpected)} "
                 f"{unexpected[:3]}")
 
     # ---- evaluation ---------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from vtrain.data.faces import FaceFolder, load_image, read_pairs, resolve_face_d
 from vtrain.data.sampler import eval_shard
 from vtrain.errors import VtrainError
 from vtrain.eval.verification import verification_metrics
-from vtrain.models.backbones import load_backbone_weights, read_state_dict
+from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.metric import MetricModel
 from vtrain.tasks import build_model
 
@@ -41,7 +41,10 @@ class MetricTask:
     def train_dataset(self) -> FaceFolder:
         if self._train is None:
             self._train = FaceFolder(self.data.train_dir, self.cfg.model.image_size, train=True,
-                                     seed=self.cfg.train.seed)
+                                     seed=self.cfg.train.seed, skip_bad=self.cfg.data.skip_bad_images)
+            if self._train.empty_files:
+                self.notes.append(f"--skip-bad-images: left out {len(self._train.empty_files)} empty files, e.g. "
+                                  f"{self._train.empty_files[0]}")
         return self._train
 
     @staticmethod
@@ -55,18 +58,25 @@ class MetricTask:
 
     def load_pretrained(self, model: MetricModel) -> str:
         """Load --pretrained: a full vtrain model file (keys backbone./neck./head.) or a timm backbone file."""
-        sd = read_state_dict(self.cfg.model.pretrained)
+        m = self.cfg.model
+        sd = read_state_dict(m.pretrained)
         if any(k.startswith("backbone.") for k in sd):
             own = model.state_dict()
             head_ok = "head.weight" in sd and sd["head.weight"].shape == own["head.weight"].shape
             if not head_ok:  # a different identity count: keep backbone and neck, fresh head
                 sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
+            sd = {k: v for k, v in sd.items() if k not in own or v.shape == own[k].shape}
             res = model.load_state_dict(sd, strict=False)
-            return (f"loaded {self.cfg.model.pretrained}: missing {len(res.missing_keys)}, "
-                    f"unexpected {len(res.unexpected_keys)}" + ("" if head_ok else " (head re-initialised)"))
+            share = check_match(m.pretrained, "model", len(own) - len(res.missing_keys), len(own),
+                                m.pretrained_min_match, m.allow_partial_pretrained)
+            return (f"loaded {m.pretrained}: {share}, unexpected {len(res.unexpected_keys)}"
+                    + ("" if head_ok else " (head re-initialised)"))
         missing, unexpected = load_backbone_weights(model.backbone, sd)
-        return (f"loaded backbone {self.cfg.model.pretrained}: missing {len(missing)} {missing[:3]}, "
-                f"unused {len(unexpected)} {unexpected[:3]}")
+        total = len(model.backbone.state_dict())
+        share = check_match(m.pretrained, "backbone", total - len(missing), total, m.pretrained_min_match,
+                            m.allow_partial_pretrained)
+        return f"loaded backbone {m.pretrained}: {share}, missing {len(missing)} {missing[:3]}, unused " \
+               f"{len(unexpected)} {unexpected[:3]}"
 
     # ---- evaluation ---------------------------------------------------------------------------------------
     def eval_set(self) -> tuple[list[str], np.ndarray, np.ndarray] | None:
@@ -79,7 +89,8 @@ class MetricTask:
             return paths, idx, np.array([s for *_, s in pairs])
         if self.data.val_dir is None:
             return None
-        val = FaceFolder(self.data.val_dir, self.cfg.model.image_size, train=False)
+        val = FaceFolder(self.data.val_dir, self.cfg.model.image_size, train=False,
+                         skip_bad=self.cfg.data.skip_bad_images)
         idx, same = sample_pairs(val.targets, self.cfg.data.max_impostor_pairs, seed=self.cfg.train.seed)
         return [p for p, _ in val.samples], idx, same
 

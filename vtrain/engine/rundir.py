@@ -1,0 +1,160 @@
+"""One run per output directory: an exclusive lock, and the rule for what an existing directory may hold.
+
+The lock is a file created with O_EXCL (atomic on local and NFS v3+ file systems, unlike flock across nodes)
+holding the owner's host, pid and process start time; a daemon thread touches it every `HEARTBEAT_S`. It is
+stale when its process is gone (same host: pid absent or another process with that pid) or, from another host,
+when it has not been touched for `STALE_AFTER_S`. A stale lock is taken over by renaming it away first, so two
+processes that find the same stale lock cannot both win.
+
+A new run refuses a directory that already holds another run's checkpoints or logs, unless it resumes
+(`--resume`) or is told to start over (`--overwrite-output-dir`, which deletes only verified vtrain checkpoints
+and vtrain's own log files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+from vtrain.engine import checkpoint as ckpt
+from vtrain.errors import VtrainError
+
+LOCK = ".vtrain.lock"
+HEARTBEAT_S = 15.0
+STALE_AFTER_S = 120.0
+LOG_FILES = ("metrics.jsonl", "eval.jsonl", "run_info.json")
+
+
+def _me() -> dict:
+    p = psutil.Process()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": p.create_time(), "token": uuid.uuid4().hex}
+
+
+class OutputDirLock:
+    def __init__(self, output_dir: Path) -> None:
+        self.path = Path(output_dir) / LOCK
+        self.owner = _me()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder, stale = self._inspect()
+                if not stale:
+                    raise VtrainError(f"--output-dir {self.path.parent} is in use by another vtrain run ({holder}); "
+                                      "wait for it to finish or choose another --output-dir") from None
+                self._take_over()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.owner, f)
+            self._thread = threading.Thread(target=self._beat, name="vtrain-lock-heartbeat", daemon=True)
+            self._thread.start()
+            return
+        raise VtrainError(f"--output-dir {self.path.parent}: could not take the lock {self.path}")
+
+    def _inspect(self) -> tuple[str, bool]:
+        try:
+            text = self.path.read_text()
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return "gone", True
+        try:
+            held = json.loads(text)
+            host, pid, started = held["host"], int(held["pid"]), float(held["started"])
+        except (ValueError, KeyError, TypeError):
+            # a lock being written right now is empty for an instant; an unreadable old one is stale
+            return "unreadable lock", age > STALE_AFTER_S
+        who = f"pid {pid} on {host}, heartbeat {age:.0f} s ago"
+        if host == socket.gethostname():
+            try:
+                alive = abs(psutil.Process(pid).create_time() - started) < 1.0
+            except psutil.Error:
+                alive = False
+            return who, not alive
+        return who, age > STALE_AFTER_S
+
+    def _take_over(self) -> None:
+        away = self.path.with_name(f"{LOCK}.stale-{uuid.uuid4().hex}")
+        try:
+            os.rename(self.path, away)  # only one of several contenders succeeds
+        except FileNotFoundError:
+            return
+        away.unlink(missing_ok=True)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        self._stop.set()
+        try:
+            if json.loads(self.path.read_text()).get("token") == self.owner["token"]:
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
+
+
+def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[OutputDirLock, list[str]]:
+    """Rank 0, before anything is written: lock the directory and apply the rule for what it may hold.
+    Returns the lock and notes for the log."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise VtrainError(f"--output-dir: {out} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise VtrainError(f"--output-dir: cannot create {out} ({e.strerror})") from None
+    lock = OutputDirLock(out)
+    lock.acquire()
+    notes: list[str] = []
+    try:
+        existing = ckpt.complete_checkpoints(out)
+        logs = [n for n in LOG_FILES if (out / n).exists()]
+        if resume is None and (existing or logs):
+            if not overwrite:
+                what = (f"checkpoints of an earlier run ({', '.join(p.name for p in existing[-3:])})" if existing
+                        else f"logs of an earlier run ({', '.join(logs)})")
+                raise VtrainError(f"--output-dir {out} already holds {what}; continue it with --resume auto, or start "
+                                  "over with --overwrite-output-dir (deletes that run's checkpoints and logs)")
+            for p in existing:
+                ckpt.remove(p)
+            for n in logs:
+                (out / n).unlink()
+            if existing:
+                notes.append(f"--overwrite-output-dir: deleted {len(existing)} checkpoints of the earlier run in {out}")
+    except BaseException:
+        lock.release()
+        raise
+    return lock, notes
+
+
+def truncate_logs(output_dir: Path, step: int) -> None:
+    """On resume from `step`: drop log lines of steps after it (they are trained again), so the logs read as one
+    uninterrupted run."""
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        path = Path(output_dir) / name
+        if not path.is_file():
+            continue
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except ValueError:
+                continue
+        tmp = path.with_name(f".{name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)

@@ -1,0 +1,150 @@
+"""Reading files a user can hand us without running code from them.
+
+A pickle can name any importable callable (`os.system`, `builtins.exec`) and have it called while loading. So:
+
+- Every `torch.load` in this process is weights-only, whoever calls it: vtrain, Accelerate (optimizer, RNG states)
+  and DeepSpeed, whose checkpoint engine and universal-checkpoint converter pass `weights_only=False`.
+  `TORCH_FORCE_WEIGHTS_ONLY_LOAD=1` is torch's own switch for that (read on every call, inherited by the
+  converter's worker processes); `WEIGHTS_ONLY_GLOBALS` lists exactly the non-tensor types those files
+  legitimately hold (measured on ZeRO-1/2/3 and fp16 checkpoints of deepspeed 0.19.8).
+- Plain pickles that torch reads with `pickle.load` (the `.metadata` file of a torch distributed checkpoint) are
+  checked first with a restricted unpickler that admits only their own classes (`check_pickle`).
+
+A refused file is one clear error naming the file and what it tried to load.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from vtrain.errors import VtrainError
+
+
+class UnsafeFileError(VtrainError):
+    """A file that would run code (or build objects we never write) when unpickled."""
+
+
+def _deepspeed_globals() -> list:
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:  # DeepSpeed is optional at run time (e.g. eval on a machine without it)
+        return []
+    # optimizer state of ZeRO-1/2/3: the stage enum, the loss scaler (fp16 and torch_autocast modes) and, for
+    # ZeRO-1/2, the per-parameter slice map of the flat partitions
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+_installed = False
+_deepspeed_allowed = False
+_torch_load = None
+
+
+def force_weights_only_env() -> None:
+    """torch's own switch, cheap enough for CLI start-up (no import): every later torch.load is weights-only."""
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+
+
+def enforce_weights_only(deepspeed: bool = True) -> None:
+    """Make every torch.load in this process weights-only, admit DeepSpeed's own checkpoint types (`deepspeed`,
+    which imports it), and turn refusals into one-line errors naming the file. Idempotent."""
+    global _installed, _deepspeed_allowed, _torch_load
+    import torch
+
+    force_weights_only_env()
+    if deepspeed and not _deepspeed_allowed:
+        torch.serialization.add_safe_globals(_deepspeed_globals())
+        _deepspeed_allowed = True
+    if _installed:
+        return
+    _torch_load = torch.load
+
+    def load(f, *args, **kwargs):
+        try:
+            return _torch_load(f, *args, **kwargs)
+        except pickle.UnpicklingError as e:
+            raise UnsafeFileError(f"refusing to unpickle {_name(f)}: {_what(str(e))}") from None
+
+    load.__doc__ = _torch_load.__doc__
+    # DeepSpeed and Accelerate call `torch.load` through the module attribute, so this wrapper sees their calls
+    # and can name the file; the environment switch above is what makes them weights-only.
+    torch.load = load
+    _installed = True
+
+
+def _name(f) -> str:
+    return str(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "a file")
+
+
+def _what(message: str) -> str:
+    m = re.search(r"GLOBAL ([\w.]+)", message) or re.search(r"global ([\w.]+)", message)
+    if m:
+        return f"it holds a `{m.group(1)}` object (only tensors and plain data are loaded)"
+    first = message.strip().splitlines()[0] if message.strip() else "unreadable pickle"
+    return f"not a weights-only pickle ({first[:200]})"
+
+
+# ---- plain pickles ----------------------------------------------------------------------------------------------
+
+def _dcp_globals() -> dict[tuple[str, str], object]:
+    import pathlib
+
+    import torch
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed = {("torch.distributed.checkpoint.metadata", n): getattr(metadata, n)
+               for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("pathlib", "PosixPath")] = pathlib.PosixPath  # the checkpoint id of the writer
+    allowed[("pathlib", "WindowsPath")] = pathlib.PurePosixPath
+    for name in dir(torch):  # dtypes are pickled as `torch.<name>` globals
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            allowed[("torch", name)] = getattr(torch, name)
+    return allowed
+
+
+class _Restricted(pickle.Unpickler):
+    def __init__(self, f, allowed: dict[tuple[str, str], object], path: Path, encoding: str) -> None:
+        super().__init__(f, encoding=encoding)
+        self.allowed, self.path = allowed, path
+
+    def find_class(self, module: str, name: str):
+        obj = self.allowed.get((module, name))
+        if obj is None:
+            raise UnsafeFileError(f"refusing to unpickle {self.path}: it holds a `{module}.{name}` object")
+        return obj
+
+
+def restricted_load(path: str | Path, allowed: dict[tuple[str, str], object], data: bytes | None = None,
+                    encoding: str = "ASCII"):
+    """pickle.load admitting only the `allowed` (module, name) globals; anything else is an UnsafeFileError.
+    `encoding="bytes"` reads Python-2 pickles whose byte strings were written as `str`."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes() if data is None else data
+        return _Restricted(io.BytesIO(raw), allowed, path, encoding).load()
+    except UnsafeFileError:
+        raise
+    except Exception as e:  # truncated or not a pickle at all
+        raise VtrainError(f"cannot read {path}: {type(e).__name__}: {e}") from None
+
+
+def check_dcp(paths: Iterable[Path]) -> None:
+    """Check the `.metadata` pickle of torch distributed checkpoint folders before torch reads it with
+    pickle.load (torch.distributed.checkpoint.FileSystemReader.read_metadata)."""
+    allowed = None
+    for folder in paths:
+        meta = Path(folder) / ".metadata"
+        if meta.is_file():
+            allowed = allowed or _dcp_globals()
+            restricted_load(meta, allowed)
