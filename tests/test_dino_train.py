@@ -57,8 +57,8 @@ def test_debug_dino_overfits_a_handful_of_images_and_eval_reproduces_it(few_imag
 @pytest.mark.parametrize("args,message", [
     (["--model", "vit-b"], "unknown dino preset 'vit-b'"),
     (["--grad-ckpt", "head"], "unknown part 'head' for --task dino"),
-    (["--data", "/nonexistent"], "--data: not a directory"),
-    (["--train-ann", "/nonexistent.json"], "--train-ann: file not found"),
+    (["--data", "/nonexistent"], "--data (data.path): not a directory"),
+    (["--train-ann", "/nonexistent.json"], "--train-ann (data.train_ann): file not found"),
 ])
 def test_dino_user_errors_are_one_line(args, message):
     proc = vtrain("train", "--task", "dino", "--max-steps", "1", *args)
