@@ -38,7 +38,7 @@ def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
                   "allow_partial_pretrained"),
         "data": ("path", "num_workers", "val_path", "pairs_file", "train_ann", "train_images", "val_ann", "val_images",
                  "max_size", "skip_bad_images"),
-        "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad"),
+        "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad", "layer_decay"),
         "parallel": ("mixed_precision", "ds_config", "fsdp"),
         "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
                   "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
@@ -71,6 +71,9 @@ def train(
     schedule: Annotated[Optional[str], typer.Option(help="cosine, step or constant")] = None,
     backbone_lr_mult: Annotated[Optional[float], typer.Option(help="Backbone LR multiplier")] = None,
     clip_grad: Annotated[Optional[float], typer.Option(help="Max gradient norm (0 disables)")] = None,
+    layer_decay: Annotated[Optional[float], typer.Option(
+        help="Layer-wise LR decay R in (0, 1] for timm ViT/Swin/ResNet backbones: backbone LR x "
+        "R^(layers - timm layer id); the head keeps --lr")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="auto, no, bf16 or fp16")] = None,
     grad_ckpt: Annotated[Optional[str], typer.Option(help="Comma list of parts to checkpoint, e.g. backbone")] = None,
     ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (ZeRO stage, offload)")] = None,

@@ -162,6 +162,9 @@ class OptimConfig:
     gamma: float = 0.1
     clip_grad: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
+    layer_decay: float | None = None
+    """Layer-wise LR decay R for timm backbones (ViT, Swin, ResNet): a backbone parameter in timm's layer group i of L
+    trains at lr * backbone_lr_mult * R^(L - i) (last block R, stem R^L); the head keeps lr. Unset: no decay."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "--lr", f"must be > 0, got {self.lr}")
@@ -177,6 +180,8 @@ class OptimConfig:
         _check(self.lr <= 10.0, "--lr", f"must be <= 10, got {self.lr}")
         _check(self.weight_decay <= 10.0, "--weight-decay", f"must be <= 10, got {self.weight_decay}")
         _check(0 < self.gamma <= 1, "optim.gamma", f"must be in (0, 1], got {self.gamma}")
+        _check(self.layer_decay is None or 0 < self.layer_decay <= 1, "--layer-decay",
+               f"must be in (0, 1], got {self.layer_decay}")
 
 
 @dataclass

@@ -11,7 +11,8 @@ Two parts (../shared/reference/memory_ckpt.md):
   of live activations and temporaries, gradients excluded (they are counted with the model states). The model is
   built on `meta` and materialised with `to_empty` inside fake mode (timm's __init__ reads values, §1.3).
   CPU autocast keeps layer_norm/group_norm/softmax in bf16 where CUDA autocast runs them in fp32 (§1.3); a
-  TorchFunctionMode applies CUDA's fp32 list on top of CPU autocast so the trace matches a GPU run.
+  TorchFunctionMode applies CUDA's fp32 list on top of CPU autocast so the trace matches a GPU run, and SDPA with a
+  trainable bias goes through CUDA's memory-efficient kernel where CPU would fall back to the math kernel.
 - Buffers that no tracer sees: DeepSpeed's communication buckets (§2.2: with overlap_comm 4.5 x (reduce +
   allgather) bucket elements x 2 bytes) and the CUDA context / library workspaces (a fixed allowance).
 """
@@ -174,13 +175,34 @@ def cuda_autocast_policy():
         return wrapper
 
     saved = [(owner, name, getattr(owner, name)) for owner, name in _CUDA_FP32]
+    sdpa = F.scaled_dot_product_attention
     try:
         for owner, name, fn in saved:
             setattr(owner, name, upcast(fn))
+        F.scaled_dot_product_attention = _cuda_sdpa(sdpa)
         yield
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
+        F.scaled_dot_product_attention = sdpa
+
+
+def _cuda_sdpa(sdpa):
+    """SDPA as a CUDA run picks its kernel. With a float bias that needs a gradient (Swin's relative-position bias,
+    models/swin_attention.py) CPU falls back to the math kernel, which materialises the attention matrix in fp32;
+    CUDA runs the memory-efficient kernel (torch's priority order: flash, which takes no bias, then
+    memory-efficient), which takes the bias broadcast (stride 0) and saves q, k, v, out and the log-sum-exp. Traced through that kernel's own
+    op, whose fake kernel runs on CPU tensors; the bias cast to the compute dtype as CUDA autocast casts it."""
+    def wrapper(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if attn_mask is None or attn_mask.dtype == torch.bool or not attn_mask.requires_grad or kwargs:
+            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
+        if torch.is_autocast_enabled("cpu"):
+            q, k, v = (t.to(torch.get_autocast_dtype("cpu")) for t in (q, k, v))
+        bias = attn_mask.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal,
+                                                                       scale=scale)[0]
+
+    return wrapper
 
 
 def _inputs(setup: Setup, device: torch.device) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import rundir
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted, ignore_in_worker
 from vtrain.engine.logging import RunLogger, StepTimer, peak_memory_gb
-from vtrain.engine.optim import build_optimizer, build_scheduler
+from vtrain.engine.optim import build_optimizer, build_scheduler, layer_decay_note
 from vtrain.engine.parallel import ParallelEngine, build_accelerator
 from vtrain.engine.plan import resolve_plan
 from vtrain.errors import VtrainError
@@ -119,6 +119,8 @@ class Trainer:
         model = self.engine.shard(model)
         # 5. parameter groups and optimizer (after FSDP2: they must see the DTensor parameters)
         optimizer = build_optimizer(model, cfg.optim, self.plan)
+        if cfg.optim.layer_decay is not None:
+            self.logger_notes.append(layer_decay_note(model, cfg.optim))
         # 6. data: our own sharded, resumable sampler (Accelerate does not shard it; see sampler.py)
         self.sampler = ShardedEpochSampler(len(dataset), t.batch_size, self.rank, self.world, seed=t.seed,
                                            group_ids=getattr(dataset, "group_ids", None))
@@ -473,6 +475,13 @@ class Trainer:
         kind = "ddp" if self.plan.kind == "single" else self.plan.kind
         if saved_kind != kind:
             raise VtrainError(f"--resume: {path} was saved with {state['engine']}, this run uses {self.plan.kind}")
+        # the optimizer state is per parameter group, and --layer-decay changes the groups: say so before the
+        # optimizer's own loader fails with a traceback (the scheduler state holds one base LR per group)
+        saved_groups, groups = len(state["scheduler"]["base_lrs"]), len(self.scheduler.base_lrs)
+        if saved_groups != groups:
+            raise VtrainError(f"--resume: {path} has {saved_groups} optimizer parameter groups, this run builds "
+                              f"{groups} (was --layer-decay changed?); resume with the run's settings or start "
+                              "from its weights with --resume-weights-only")
         if self.reshard_deepspeed:
             # DeepSpeed's own loader refuses another DP world size: universal checkpoint route (parallel.py)
             self.engine.load_resharded_deepspeed(path, self.out)

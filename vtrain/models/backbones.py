@@ -10,18 +10,22 @@ import torch
 from torch import nn
 
 from vtrain.errors import VtrainError
+from vtrain.models.swin_attention import use_shared_bias_attention
 from vtrain.presets import METRIC_PRESETS
 
 
 def build_backbone(preset: str, image_size: int, drop_path: float | None = None) -> nn.Module:
-    """A timm model returning pooled features of size `backbone.num_features` (no classifier)."""
+    """A timm model returning pooled features of size `backbone.num_features` (no classifier). Swin blocks use
+    vtrain's shared-bias window attention (swin_attention.py)."""
     p = METRIC_PRESETS[preset]()
     kwargs = dict(p.kwargs)
     if p.takes_img_size:
         kwargs["img_size"] = image_size
     if drop_path is not None:
         kwargs["drop_path_rate"] = drop_path
-    return timm.create_model(p.timm_name, pretrained=False, num_classes=0, **kwargs)
+    model = timm.create_model(p.timm_name, pretrained=False, num_classes=0, **kwargs)
+    use_shared_bias_attention(model)
+    return model
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

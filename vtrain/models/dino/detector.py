@@ -20,6 +20,7 @@ from torchvision.ops import box_convert
 from vtrain.models.dino.criterion import dino_loss
 from vtrain.models.dino.denoising import build_denoising
 from vtrain.models.dino.transformer import MLP, Decoder, Encoder, inverse_sigmoid, sine_position_2d
+from vtrain.models.swin_attention import use_shared_bias_attention
 from vtrain.presets import DINO_PRESETS, DinoPreset
 
 
@@ -34,6 +35,8 @@ class Backbone(nn.Module):
         if rate:
             kwargs["drop_path_rate"] = rate
         self.body = timm.create_model(p.timm_name, pretrained=False, num_classes=0, **kwargs)
+        # Swin: no per-image/window/head N x N tensors at detection sizes (swin_attention.py)
+        use_shared_bias_attention(self.body)
         self.indices = list(p.out_indices)
         self.body.prune_intermediate_layers(self.indices, prune_norm=True, prune_head=True)
         self.channels = [self.body.feature_info[i]["num_chs"] for i in self.indices]
