@@ -36,8 +36,8 @@ def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
         "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
                   "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
                   "allow_partial_pretrained"),
-        "data": ("path", "num_workers", "val_path", "pairs_file", "train_ann", "train_images", "val_ann", "val_images",
-                 "max_size", "skip_bad_images"),
+        "data": ("path", "num_workers", "val_path", "pairs_file", "val_targets", "train_ann", "train_images", "val_ann",
+                 "val_images", "max_size", "skip_bad_images"),
         "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad", "layer_decay"),
         "parallel": ("mixed_precision", "ds_config", "fsdp"),
         "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
@@ -59,7 +59,8 @@ def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
 def train(
     task: Annotated[Optional[Task], typer.Option(help="metric (face recognition) or dino (detection)")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Backbone preset (see `vtrain presets`)")] = None,
-    data: Annotated[Optional[str], typer.Option(help="Data directory or `demo` (built-in synthetic data)")] = None,
+    data: Annotated[Optional[str], typer.Option(
+        help="Data directory (RecordIO train.rec/.idx or identity folders) or `demo` (built-in synthetic data)")] = None,
     output_dir: Annotated[Optional[str], typer.Option(help="Run directory (config, logs, checkpoints)")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Epochs (ignored when --max-steps is set)")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train")] = None,
@@ -98,6 +99,9 @@ def train(
     num_workers: Annotated[Optional[int], typer.Option(help="Data loader workers per process")] = None,
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out identity tree")] = None,
     pairs: Annotated[Optional[str], typer.Option("--pairs", help="Verification pairs file")] = None,
+    val_targets: Annotated[Optional[str], typer.Option(
+        help="Metric: verification .bin packs, e.g. lfw,agedb_30 (<data>/NAME.bin) or paths; default: *.bin beside "
+             "train.rec")] = None,
     max_nonfinite: Annotated[Optional[int], typer.Option(help="Stop after N consecutive non-finite steps")] = None,
     train_ann: Annotated[Optional[str], typer.Option(help="Detection: COCO train annotation JSON")] = None,
     train_images: Annotated[Optional[str], typer.Option(help="Detection: train image folder")] = None,
@@ -136,20 +140,25 @@ def train(
 def evaluate(
     checkpoint: Annotated[Path, typer.Option(help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
     task: Annotated[Optional[Task], typer.Option(help="Expected task (checked against the checkpoint)")] = None,
-    data: Annotated[Optional[str], typer.Option(help="Data directory or `demo`; default: the run's data")] = None,
+    data: Annotated[Optional[str], typer.Option(
+        help="Data directory, a verification .bin pack, or `demo`; default: the run's data")] = None,
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Metric: held-out identity tree")] = None,
     pairs: Annotated[Optional[str], typer.Option("--pairs", help="Metric: verification pairs file")] = None,
+    val_targets: Annotated[Optional[str], typer.Option(
+        help="Metric: verification .bin packs (NAME = <data>/NAME.bin, or paths)")] = None,
     val_ann: Annotated[Optional[str], typer.Option(help="Detection: COCO annotation JSON to evaluate on")] = None,
     val_images: Annotated[Optional[str], typer.Option(help="Detection: its image folder")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
     save_predictions: Annotated[Optional[str], typer.Option(help="Detection: write COCO results JSON here")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
 ) -> None:
-    """Evaluate a checkpoint: face verification (TAR@FAR, best accuracy) or COCO box AP."""
+    """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
+    box AP."""
     from vtrain.engine.logging import console
     from vtrain.eval.run import evaluate_checkpoint
 
-    overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_ann": val_ann, "val_images": val_images}
+    overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets, "val_ann": val_ann,
+                 "val_images": val_images}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
                                             save_predictions)
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint}"))
@@ -202,6 +211,29 @@ def consolidate_cmd(
         console.print("every tensor is finite")
     for f in report.files:
         console.print(f"wrote {f}", soft_wrap=True)
+
+
+@app.command("export")
+def export_cmd(
+    checkpoint: Annotated[Path, typer.Argument(help="Metric run dir (newest checkpoint) or checkpoints/step_N")],
+    out: Annotated[Path, typer.Argument(help="Output file, e.g. model.onnx")],
+    opset: Annotated[int, typer.Option(help="ONNX opset (18 or newer)")] = 18,
+    verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on a random batch")] = True,
+) -> None:
+    """Export a metric model's embedding network (backbone + neck) to ONNX with a dynamic batch axis."""
+    from vtrain.engine.logging import console
+    from vtrain.tools.export import MEAN, STD, export_onnx
+
+    if opset < 18:
+        raise VtrainError(f"--opset {opset}: torch's ONNX exporter targets opset 18 or newer")
+    r = export_onnx(checkpoint, out, opset, verify)
+    console.print(f"exported {r.checkpoint} ({r.params:,} parameters) to {r.path}"
+                  + (f" + {r.path.name}.data" if r.external_data else ""), soft_wrap=True)
+    console.print(f"input `input`: float32 N x 3 x {r.image_size} x {r.image_size}, RGB, x / {MEAN} - 1 "
+                  f"(mean {MEAN}, std {STD}); output `embedding`: N x {r.embedding_dim}, not L2-normalised",
+                  soft_wrap=True)
+    if r.max_abs_diff is not None:
+        console.print(f"onnxruntime vs PyTorch (batch 3): max abs diff {r.max_abs_diff:.2e}", soft_wrap=True)
 
 
 @app.command("estimate-memory")

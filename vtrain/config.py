@@ -106,13 +106,17 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "demo"
-    """`demo` (built-in synthetic identities) or a directory with train/<identity>/*.jpg (+ val/, pairs.txt)."""
+    """`demo` (built-in synthetic identities), an insightface RecordIO dir (train.rec + train.idx + property), a
+    directory with train/<identity>/*.jpg (+ val/, pairs.txt), or (eval only) a verification `.bin` pack."""
     num_workers: int = 2
     val_path: str | None = None
     """Held-out identity tree for verification; defaults to <data>/val when it exists."""
     pairs_file: str | None = None
     """Verification pairs file (`path1 path2 1|0` per line, paths relative to the file); else pairs are sampled."""
     max_impostor_pairs: int = 200_000
+    val_targets: list[str] | None = None
+    """Metric: verification packs to evaluate on, insightface style: `lfw` is <data>/lfw.bin, `x.bin` a path.
+    Default: every *.bin beside a train.rec; [] evaluates on none."""
     train_ann: str | None = None
     """Detection: COCO annotation JSON for training (default: <data>/annotations/instances_train2017.json)."""
     train_images: str | None = None
@@ -129,7 +133,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check(0 <= self.num_workers <= 256, "--num-workers", f"must be in 0..256, got {self.num_workers}")
         if self.path != "demo":
-            _check(Path(self.path).is_dir(), "--data", f"not a directory: {self.path}")
+            p = Path(self.path)
+            _check(p.is_dir() or (p.is_file() and p.suffix == ".bin"), "--data",
+                   f"not a directory (or a verification .bin pack): {self.path}")
+        if self.val_targets is not None:  # `lfw, agedb_30` from a flag or YAML; also built directly by `vtrain eval`
+            items = self.val_targets.split(",") if isinstance(self.val_targets, str) else self.val_targets
+            self.val_targets = [t.strip() for t in items if t.strip()]
         if self.val_path is not None:
             _check(Path(self.val_path).is_dir(), "--val-data", f"not a directory: {self.val_path}")
         if self.pairs_file is not None:

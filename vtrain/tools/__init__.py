@@ -1,0 +1,1 @@
+"""Offline commands that work on a finished run (export)."""
