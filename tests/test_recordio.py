@@ -95,6 +95,7 @@ def test_dataset_matches_identity_folders_and_two_workers(faces, tmp_path):
         assert torch.equal(a["images"], b["images"]) and a["labels"] == b["labels"] and a["index"] == b["index"]
     rec = (tmp_path / "train.rec").read_bytes()
     assert MAGIC_BYTES + struct.pack("<I", 1 << 29 | 32) in rec  # the first part of the split record
+    assert unpack(ds.reader.read(11))[1] == samples[10][0]  # re-joined byte for byte (image 10 is key 11)
     # random access from 2 forked workers after the parent has read (and opened its descriptor)
     order = [(1, i) for i in np.random.default_rng(0).permutation(len(ds))[:24].tolist()]
     loader = torch.utils.data.DataLoader(ds, batch_size=4, sampler=order, num_workers=2)

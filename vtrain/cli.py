@@ -60,7 +60,7 @@ def train(
     task: Annotated[Optional[Task], typer.Option(help="metric (face recognition) or dino (detection)")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Backbone preset (see `vtrain presets`)")] = None,
     data: Annotated[Optional[str], typer.Option(
-        help="Data directory (RecordIO train.rec/.idx or identity folders) or `demo` (built-in synthetic data)")] = None,
+        help="Data directory (RecordIO train.rec/.idx or identity folders) or `demo` (built-in data)")] = None,
     output_dir: Annotated[Optional[str], typer.Option(help="Run directory (config, logs, checkpoints)")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Epochs (ignored when --max-steps is set)")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train")] = None,
@@ -157,8 +157,8 @@ def evaluate(
     from vtrain.engine.logging import console
     from vtrain.eval.run import evaluate_checkpoint
 
-    overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets, "val_ann": val_ann,
-                 "val_images": val_images}
+    overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
+                 "val_ann": val_ann, "val_images": val_images}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
                                             save_predictions)
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint}"))

@@ -1,4 +1,5 @@
-"""Identity-per-folder face data (torchvision's folder scanning), train transforms and verification pairs."""
+"""Face data: which layout --data is, the sample pipeline every face set shares (decode, [-1, 1], seeded flip),
+identity-per-folder sets (torchvision's folder scanning) and verification pairs. RecordIO sets: recordio.py."""
 
 from __future__ import annotations
 

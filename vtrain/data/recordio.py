@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,10 +206,6 @@ def _read_idx(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---- the insightface face set ------------------------------------------------------------------------------------
-def is_recordio_dir(path: Path) -> bool:
-    return (Path(path) / "train.rec").is_file() or (Path(path) / "train.idx").is_file()
-
-
 def class_id(label: float | np.ndarray, what: str) -> int:
     """The class id of an image record: the float label, or the first of a multi-label array (insightface
     MXFaceDataset). Float32 holds integers exactly only up to 2^24, so larger ids cannot be trusted."""

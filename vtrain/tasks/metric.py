@@ -154,7 +154,8 @@ class MetricTask:
         """L2-normalised flip-summed embeddings of all images, complete on rank 0."""
         n = len(images)
         mine, _ = eval_shard(n, rank, world)  # padding duplicates are cut off after the gather ([:n])
-        loader = torch.utils.data.DataLoader(torch.utils.data.Subset(images, mine), batch_size=self.cfg.train.batch_size,
+        loader = torch.utils.data.DataLoader(torch.utils.data.Subset(images, mine),
+                                             batch_size=self.cfg.train.batch_size,
                                              num_workers=min(self.cfg.data.num_workers, 2))
         chunks = []
         for imgs in loader:
