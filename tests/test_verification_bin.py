@@ -111,8 +111,19 @@ def test_malicious_pack_is_refused_and_never_runs(tmp_path, evil, where, name):
     assert target.exists()
 
 
+class Call:
+    """Pickles as a call of `fn(*args)`."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
 @pytest.mark.parametrize("obj,message", [
     (([np.array([1, "x"], dtype=object)] * 6, SAME), "not a readable verification .bin .*dtype"),
+    (([Call(np.ndarray, (4,), "O")] * 6, SAME), r"not a readable verification .bin .*direct numpy.ndarray\(...\) call"),
     ((IMAGES, SAME, 3), r"expected a pickled \(bins, issame\) pair"),
     ((IMAGES[:5], SAME), "5 images for 3 pairs"),
     ((IMAGES, [True, "yes", False]), "issame must be a list of booleans"),

@@ -39,8 +39,16 @@ def _dtype(spec: Any, *args: Any) -> np.dtype:
     return dt
 
 
+class _ArrayType:
+    """Stands for `numpy.ndarray`, which a pack names only as the type argument of `_reconstruct`; calling it
+    directly (an uninitialised array of any dtype) is refused."""
+
+    def __init__(self, *args: Any) -> None:
+        raise pickle.UnpicklingError("a direct numpy.ndarray(...) call")
+
+
 def _reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
-    if subtype is not np.ndarray:
+    if subtype is not _ArrayType:
         raise pickle.UnpicklingError(f"array subtype {subtype!r}")
     return np.ndarray.__new__(np.ndarray, shape, _dtype(dtype))
 
@@ -56,7 +64,7 @@ def _frombuffer(buf: Any, dtype: Any, shape: Any, order: str) -> np.ndarray:
     return np.frombuffer(buf, _dtype(dtype)).reshape(shape, order=order).copy()
 
 
-_ALLOWED: dict[tuple[str, str], Any] = {("_codecs", "encode"): _encode, ("numpy", "ndarray"): np.ndarray,
+_ALLOWED: dict[tuple[str, str], Any] = {("_codecs", "encode"): _encode, ("numpy", "ndarray"): _ArrayType,
                                         ("numpy", "dtype"): _dtype}
 for _core in ("numpy.core", "numpy._core"):
     _ALLOWED[(f"{_core}.multiarray", "_reconstruct")] = _reconstruct
