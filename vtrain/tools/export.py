@@ -8,7 +8,7 @@ written into the model's metadata_props, so a deployment can read them instead o
 Exporter: torch.onnx's default since torch 2.9, the torch.export-based ("dynamo") one. It needs the `onnxscript`
 package (a pure-Python PyPI dependency, offline once installed). The TorchScript exporter (`dynamo=False`) also
 works offline without it but is deprecated and warns on every call, so it is not used. Opset 18 is the lowest
-this exporter targets and is read by onnxruntime >= 1.14 and TensorRT >= 8.6.
+this exporter writes (onnxruntime reads it from 1.14 on).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class ExportReport:
     params: int
     external_data: bool
     max_abs_diff: float | None
-    """onnxruntime vs PyTorch on a random batch of 2 (None when not verified)."""
+    """onnxruntime vs PyTorch on a random batch of 3, one the export did not trace (None when not verified)."""
 
 
 def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, verify: bool = True) -> ExportReport:
