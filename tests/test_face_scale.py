@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import metrics, ok, vtrain
+from conftest import metrics, ok, reseal, vtrain
 from vtrain.config import DataConfig
 from vtrain.data.faces import FaceFolder, resolve_face_data
 from vtrain.data.recordio import write_face_rec
@@ -136,6 +136,10 @@ def test_export_bad_input(rec_run, tmp_path):
     for cfg_file in dino.rglob("config.yaml"):
         cfg = yaml.safe_load(cfg_file.read_text())
         cfg_file.write_text(yaml.safe_dump({**cfg, "task": "dino"}))
+    with pytest.raises(VtrainError, match="config.yaml: .* the manifest says"):  # verified before it is loaded
+        export_onnx(dino, tmp_path / "m.onnx")
+    for step in (dino / "checkpoints").glob("step_*"):
+        reseal(step)
     with pytest.raises(VtrainError, match="is a dino checkpoint"):
         export_onnx(dino, tmp_path / "m.onnx")
 
