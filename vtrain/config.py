@@ -7,6 +7,7 @@ The resolved config is written to ``<output-dir>/config.yaml`` and is enough to 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import types
@@ -106,7 +107,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "demo"
-    """`demo` (built-in synthetic identities) or a directory with train/<identity>/*.jpg (+ val/, pairs.txt)."""
+    """`demo` (built-in synthetic data), a directory (metric: train/<identity>/*.jpg (+ val/, pairs.txt); DINO: COCO
+    layout), or `hf:PATH`: a Hugging Face datasets folder saved with save_to_disk, or parquet files."""
     num_workers: int = 2
     val_path: str | None = None
     """Held-out identity tree for verification; defaults to <data>/val when it exists."""
@@ -128,7 +130,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.num_workers <= 256, "--num-workers", f"must be in 0..256, got {self.num_workers}")
-        if self.path != "demo":
+        if self.path.startswith("hf:"):  # a Hugging Face datasets folder or parquet file(s) (data/hf.py)
+            _check(Path(self.path[3:]).exists() or bool(glob.glob(self.path[3:])), "--data",
+                   f"no such Hugging Face datasets folder or parquet file: {self.path[3:]}")
+        elif self.path != "demo":
             _check(Path(self.path).is_dir(), "--data", f"not a directory: {self.path}")
         if self.val_path is not None:
             _check(Path(self.val_path).is_dir(), "--val-data", f"not a directory: {self.val_path}")

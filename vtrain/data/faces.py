@@ -34,13 +34,21 @@ def resolve_face_data(cfg: DataConfig) -> FaceData:
     return FaceData(train, val, pairs)
 
 
-def load_image(path: str, size: int) -> torch.Tensor:
-    """Decode to a float CHW tensor in [-1, 1] (insightface normalisation), resized to size x size."""
+def decode_rgb(src: str | Path | tuple[str, bytes]) -> torch.Tensor:
+    """uint8 RGB CHW image from a file path or from (name, encoded bytes), e.g. a row of a Hugging Face datasets
+    `Image` column (data/hf.py)."""
+    name, data = (src[0], torch.frombuffer(bytearray(src[1]), dtype=torch.uint8)) if isinstance(src, tuple) \
+        else (src, str(src))
     try:
-        img = decode_image(str(path), mode=ImageReadMode.RGB)
+        return decode_image(data, mode=ImageReadMode.RGB)
     except Exception as e:
-        raise BadSample(f"cannot decode image {path}: {' '.join(str(e).split())[:200]} "
+        raise BadSample(f"cannot decode image {name}: {' '.join(str(e).split())[:200]} "
                         "(--skip-bad-images skips unreadable files)") from None
+
+
+def load_image(path: str | Path | tuple[str, bytes], size: int) -> torch.Tensor:
+    """Decode to a float CHW tensor in [-1, 1] (insightface normalisation), resized to size x size."""
+    img = decode_rgb(path)
     if img.shape[-2:] != (size, size):
         img = TF.resize(img, [size, size], antialias=True)
     return img.float().div_(127.5).sub_(1.0)

@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from vtrain.config import RunConfig
 from vtrain.data.faces import FaceFolder, load_image, read_pairs, resolve_face_data, sample_pairs
+from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
 from vtrain.errors import VtrainError
 from vtrain.eval.verification import verification_metrics
@@ -30,6 +31,7 @@ class MetricTask:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.data = resolve_face_data(cfg.data)
+        self.hf = HfSplits(cfg.data.path) if is_hf(cfg.data.path) else None  # --data hf:PATH (data/hf.py)
         self._train: FaceFolder | None = None
         self.notes: list[str] = []
         for part in cfg.model.grad_ckpt:
@@ -39,6 +41,8 @@ class MetricTask:
 
     # ---- data ---------------------------------------------------------------------------------------------
     def train_dataset(self) -> FaceFolder:
+        if self._train is None and self.hf is not None:
+            self._train = self.hf.faces("train", self.cfg.model.image_size, train=True, seed=self.cfg.train.seed)
         if self._train is None:
             self._train = FaceFolder(self.data.train_dir, self.cfg.model.image_size, train=True,
                                      seed=self.cfg.train.seed, skip_bad=self.cfg.data.skip_bad_images)
@@ -87,10 +91,14 @@ class MetricTask:
             pos = {p: i for i, p in enumerate(paths)}
             idx = np.array([[pos[a], pos[b]] for a, b, _ in pairs])
             return paths, idx, np.array([s for *_, s in pairs])
-        if self.data.val_dir is None:
+        if self.hf is not None:  # held-out identities: the validation (or test) split
+            val = self.hf.faces(self.hf.eval_split, self.cfg.model.image_size, train=False) \
+                if self.hf.eval_split else None
+        else:
+            val = FaceFolder(self.data.val_dir, self.cfg.model.image_size, train=False,
+                             skip_bad=self.cfg.data.skip_bad_images) if self.data.val_dir else None
+        if val is None:
             return None
-        val = FaceFolder(self.data.val_dir, self.cfg.model.image_size, train=False,
-                         skip_bad=self.cfg.data.skip_bad_images)
         idx, same = sample_pairs(val.targets, self.cfg.data.max_impostor_pairs, seed=self.cfg.train.seed)
         return [p for p, _ in val.samples], idx, same
 
@@ -110,10 +118,7 @@ class MetricTask:
                                              num_workers=min(self.cfg.data.num_workers, 2))
         chunks = []
         for imgs in loader:
-            imgs = imgs.to(device, input_dtype)
-            # flip test-time augmentation: sum of the embeddings of the image and its mirror (face.md §1.5)
-            emb = forward(images=imgs)["embedding"].float() + forward(images=imgs.flip(-1))["embedding"].float()
-            chunks.append(F.normalize(emb, dim=1))
+            chunks.append(flip_embeddings(forward, imgs.to(device, input_dtype)))
         local = torch.cat(chunks)
         if world > 1:
             gathered = [torch.empty_like(local) for _ in range(world)]
@@ -131,6 +136,13 @@ class MetricTask:
         from vtrain.engine.logging import verification_table
 
         return verification_table(metrics, title)
+
+
+def flip_embeddings(forward: Callable[..., dict[str, torch.Tensor]], images: torch.Tensor) -> torch.Tensor:
+    """Evaluation embeddings (also `vtrain predict --task metric`): flip test-time augmentation, the sum of the
+    embeddings of the image and its mirror (face.md §1.5), L2-normalised in fp32."""
+    emb = forward(images=images)["embedding"].float() + forward(images=images.flip(-1))["embedding"].float()
+    return F.normalize(emb, dim=1)
 
 
 class _Images(Dataset):
