@@ -4,6 +4,7 @@ predictions and embeddings as evaluation, `vtrain eval --classwise`, and bad inp
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from torchvision.io import decode_image
 
-from conftest import faces_dataset, ok, vtrain
+from conftest import faces_dataset, ok, reseal, vtrain
+from vtrain.errors import VtrainError
 
 N_IMAGES = 2  # demo training images 000000.jpg and 000001.jpg: 7 shapes
 
@@ -145,6 +147,44 @@ def test_bad_inputs_are_one_error_line(dino_run, tmp_path, monkeypatch, capsys):
         code, _, err = cli(monkeypatch, capsys, "predict", *args, "--out", str(tmp_path / "o"), "--num-workers", "0")
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+
+
+def test_checkpoint_without_categories_json(dino_run, tmp_path):
+    """A detection checkpoint written before categories.json existed (rebuilt here: its files without it, under a
+    fresh manifest): class names and ids come from --ann, giving exactly the new checkpoint's output; without
+    --ann the classes are `class <i>` with their label indices as ids; an --ann of another class count is refused."""
+    from vtrain.engine import checkpoint as ckpt
+    from vtrain.tools.predict import predict_detection
+
+    new = ckpt.complete_checkpoints(dino_run["run"])[-1]
+    assert (new / ckpt.CATEGORIES).is_file() and ckpt.CATEGORIES in ckpt.read_manifest(new).files
+    old = tmp_path / "old" / "checkpoints" / new.name
+    old.mkdir(parents=True)
+    for name in ("config.yaml", "model.safetensors", ckpt.TRAIN_STATE, ckpt.COMPLETE):
+        shutil.copy(new / name, old / name)
+    reseal(old)
+    assert ckpt.verify(old) is None and not (old / ckpt.CATEGORIES).exists()
+    files = [str(f) for f in dino_run["files"]]
+
+    def run(checkpoint, out, ann=None):
+        predict_detection(checkpoint, files, tmp_path / out, score_threshold=0.3, ann=ann, num_workers=0)
+        return json.loads((tmp_path / out / "predictions.json").read_text())
+
+    reference = run(new, "new")
+    assert reference  # the 40-step model keeps boxes above 0.3 (test_predicted_boxes_are_drawn_on_the_shapes)
+    assert run(old, "old_ann", str(dino_run["ann"])) == reference
+    for f in dino_run["files"]:  # the same names drawn: the same pixels
+        assert (tmp_path / "old_ann" / f.name).read_bytes() == (tmp_path / "new" / f.name).read_bytes()
+    cat_ids = [c["id"] for c in dino_run["coco"]["categories"]]
+    unnamed = run(old, "old_bare")
+    assert [{**d, "category_id": cat_ids[d["category_id"]]} for d in unnamed] == reference
+    assert {d["category_id"] for d in unnamed} <= {0, 1, 2, 3}
+    three = tmp_path / "three.json"
+    coco = dino_run["coco"]
+    three.write_text(json.dumps({**coco, "categories": coco["categories"][:3],
+                                 "annotations": [a for a in coco["annotations"] if a["category_id"] in cat_ids[:3]]}))
+    with pytest.raises(VtrainError, match="the model has 4 classes but 3 categories are known"):
+        run(old, "old_three", str(three))
 
 
 @pytest.fixture(scope="module")
