@@ -150,6 +150,7 @@ def evaluate(
     val_images: Annotated[Optional[str], typer.Option(help="Detection: its image folder")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
     save_predictions: Annotated[Optional[str], typer.Option(help="Detection: write COCO results JSON here")] = None,
+    classwise: Annotated[bool, typer.Option(help="Detection: AP per category (a table, and in --json)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
@@ -161,11 +162,47 @@ def evaluate(
                  "val_ann": val_ann, "val_images": val_images}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
                                             save_predictions)
+    if classwise and "per_class" not in metrics:
+        raise VtrainError("--classwise: only for detection checkpoints")
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint}"))
+    if classwise:
+        console.print(run_task.classwise_table(metrics))
     if save_predictions:
         console.print(f"wrote {save_predictions}", soft_wrap=True)
-    if as_json:
-        print(json.dumps({k: v for k, v in metrics.items() if k != "rows"}))
+    if as_json:  # per-category numbers only when asked for (eval.jsonl of a training run always keeps them)
+        hidden = ("rows",) if classwise else ("rows", "per_class")
+        print(json.dumps({k: v for k, v in metrics.items() if k not in hidden}))
+
+
+@app.command()
+def predict(
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
+    images: Annotated[list[str], typer.Option(
+        help="Image file, folder (searched at any depth) or quoted glob pattern; repeat for more")],
+    out: Annotated[Path, typer.Option(help="Detection: output folder; metric: the .safetensors file to write")],
+    task: Annotated[Optional[Task], typer.Option(help="Expected task (default: the checkpoint's)")] = None,
+    score_threshold: Annotated[float, typer.Option(help="Detection: draw and keep boxes scoring at least this")] = 0.3,
+    batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
+    ann: Annotated[Optional[str], typer.Option(
+        help="Detection: COCO annotation JSON whose file_names give the image ids (default: 1..N)")] = None,
+    num_workers: Annotated[int, typer.Option(help="Image decoding workers")] = 2,
+) -> None:
+    """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
+    from vtrain.engine.logging import console
+    from vtrain.tools.predict import predict as run_predict
+
+    if batch_size is not None and batch_size < 1:
+        raise VtrainError("--batch-size: must be > 0")
+    if num_workers < 0:
+        raise VtrainError("--num-workers: must be >= 0")
+    report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
+                         batch_size=batch_size, ann=ann, num_workers=num_workers)
+    if report.task == "dino":
+        console.print(f"{report.images} images on {report.device}: {report.detections} boxes with score >= "
+                      f"{score_threshold}; wrote the drawn images and predictions.json to {out}", soft_wrap=True)
+    else:
+        console.print(f"{report.images} images on {report.device}: wrote {out} (embeddings; file names in its "
+                      "metadata)", soft_wrap=True)
 
 
 @app.command("consolidate")

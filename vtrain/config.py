@@ -7,6 +7,7 @@ The resolved config is written to ``<output-dir>/config.yaml`` and is enough to 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import types
@@ -106,8 +107,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "demo"
-    """`demo` (built-in synthetic identities), an insightface RecordIO dir (train.rec + train.idx + property), a
-    directory with train/<identity>/*.jpg (+ val/, pairs.txt), or (eval only) a verification `.bin` pack."""
+    """`demo` (built-in synthetic data); a directory (metric: an insightface RecordIO dir with train.rec + train.idx +
+    property, or train/<identity>/*.jpg (+ val/, pairs.txt); DINO: COCO layout); `hf:PATH`, a Hugging Face datasets
+    folder saved with save_to_disk or parquet files; or (metric eval only) a verification `.bin` pack."""
     num_workers: int = 2
     val_path: str | None = None
     """Held-out identity tree for verification; defaults to <data>/val when it exists."""
@@ -132,7 +134,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.num_workers <= 256, "--num-workers", f"must be in 0..256, got {self.num_workers}")
-        if self.path != "demo":
+        if self.path.startswith("hf:"):  # a Hugging Face datasets folder or parquet file(s) (data/hf.py)
+            _check(Path(self.path[3:]).exists() or bool(glob.glob(self.path[3:])), "--data",
+                   f"no such Hugging Face datasets folder or parquet file: {self.path[3:]}")
+        elif self.path != "demo":
             p = Path(self.path)
             _check(p.is_dir() or (p.is_file() and p.suffix == ".bin"), "--data",
                    f"not a directory (or a verification .bin pack): {self.path}")

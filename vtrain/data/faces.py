@@ -74,8 +74,14 @@ def to_model_input(img: torch.Tensor, size: int) -> torch.Tensor:
     return img.float().div_(127.5).sub_(1.0)
 
 
-def decode_rgb(data: str | Path | bytes, what: str) -> torch.Tensor:
-    """Decode a file or encoded bytes (JPEG, PNG, ...) to uint8 RGB CHW; `what` names it in the error."""
+def decode_rgb(data: str | Path | bytes | tuple[str, bytes], what: str | None = None) -> torch.Tensor:
+    """Decode a file, encoded bytes (JPEG, PNG, ...) or (name, encoded bytes), e.g. a row of a Hugging Face
+    datasets `Image` column (data/hf.py), to uint8 RGB CHW; `what` names it in the error (default: the file or
+    the name)."""
+    if isinstance(data, tuple):
+        name, data = data
+        what = what or name
+    what = what or str(data)
     try:
         if isinstance(data, (bytes, bytearray, memoryview)):
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a writable copy: frombuffer shares memory
@@ -85,9 +91,9 @@ def decode_rgb(data: str | Path | bytes, what: str) -> torch.Tensor:
                         "(--skip-bad-images skips unreadable files)") from None
 
 
-def load_image(path: str, size: int) -> torch.Tensor:
+def load_image(path: str | Path | tuple[str, bytes], size: int) -> torch.Tensor:
     """Decode to a float CHW tensor in [-1, 1] (insightface normalisation), resized to size x size."""
-    return to_model_input(decode_rgb(path, str(path)), size)
+    return to_model_input(decode_rgb(path), size)
 
 
 class FaceSamples(Dataset):
@@ -137,7 +143,7 @@ class FaceFolder(FaceSamples):
 
     def _read(self, idx: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[idx]
-        return decode_rgb(path, path), label
+        return decode_rgb(path), label
 
 
 def scan_identity_tree(root: Path) -> tuple[list[str], list[tuple[str, int]], list[str]]:

@@ -29,6 +29,7 @@ COMPLETE = "COMPLETE"
 FORMAT = "vtrain-checkpoint"
 TRAIN_STATE = "train_state.json"
 LEGACY_TRAIN_STATE = "train_state.pt"  # vtrain <= 0.1 (a weights-only pickle of plain types)
+CATEGORIES = "categories.json"  # detection: class ids and names in label order, for `vtrain predict`
 
 
 class CheckpointError(VtrainError):

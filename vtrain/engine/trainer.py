@@ -455,6 +455,8 @@ class Trainer:
                 "world_size": self.world, "engine": self.plan.kind,
                 "scaler": self.engine.scaler.state_dict() if self.engine.scaler is not None else None})
             self.cfg.save(tmp / "config.yaml")
+            if hasattr(self.dataset, "categories"):  # detection class names, for `vtrain predict`; in the manifest
+                ckpt.write_json(tmp / ckpt.CATEGORIES, self.dataset.categories)
         self.accelerator.wait_for_everyone()
         files = self._agree(lambda: ckpt.payload_files(tmp))
         digests = ckpt.digest_share(tmp, files, self.rank, self.world)

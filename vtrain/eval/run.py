@@ -1,13 +1,17 @@
-"""`vtrain eval`: rebuild the model from a checkpoint's config.yaml and its fp32 model.safetensors, evaluate."""
+"""Loading a trained model from a checkpoint (config.yaml + fp32 model.safetensors), for `vtrain eval` and
+`vtrain predict`, and `vtrain eval` itself."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 from safetensors.torch import load_file
+from torch import nn
 
 from vtrain.config import DataConfig, RunConfig, load_run_config, replace
 from vtrain.engine import checkpoint as ckpt
@@ -16,31 +20,61 @@ from vtrain.models.backbones import load_strict
 from vtrain.tasks import build_task, model_for_weights
 
 
-def load_checkpoint(checkpoint: Path, task_name: str | None = None, flag: str = "--checkpoint",
-                    task_flag: str | None = None) -> tuple[Path, RunConfig, torch.nn.Module]:
-    """(checkpoint dir, its RunConfig, the model with its fp32 weights loaded strictly) of a checkpoint dir or a
-    run dir's newest checkpoint that verifies against its manifest;
-    shared by `vtrain eval` and `vtrain export`. A `task_name` other than the checkpoint's is an error naming
-    `task_flag` (default `--task NAME`)."""
-    path = ckpt.find_verified(checkpoint, flag)  # a damaged checkpoint is an error naming the file
+@dataclass
+class LoadedModel:
+    path: Path
+    """The checkpoint directory (checkpoints/step_<N>)."""
+    cfg: RunConfig
+    """The run's config; its `data` section is the default, the saved one is `saved_data`."""
+    saved_data: dict[str, Any]
+    model: nn.Module
+    """In eval mode, fp32, on `device`."""
+    device: torch.device
+    categories: list[dict[str, Any]] | None
+    """Detection: COCO categories (id, name) in label order, when the checkpoint has them."""
+
+
+def checkpoint_task(checkpoint: str | Path) -> str:
+    """The task a checkpoint was trained for (its config.yaml), without building or verifying anything (the
+    loader verifies the checkpoint it loads)."""
+    path = ckpt.find(checkpoint)
+    if path is None:
+        raise ckpt.CheckpointError(f"--checkpoint: {checkpoint} is neither a complete checkpoint nor a run "
+                                   "directory with one")
+    return load_run_config(path / "config.yaml").task
+
+
+def load_model(checkpoint: str | Path, task_name: str | None = None, device: torch.device | None = None,
+               flag: str = "--checkpoint", task_flag: str | None = None) -> LoadedModel:
+    """The model of a checkpoint (or of a run directory's newest one that verifies), built from its config.yaml
+    and loaded strictly from its model.safetensors; on CUDA when there is a GPU. Shared by `vtrain eval`,
+    `predict` and `export`. The checkpoint is verified against its manifest first: a damaged one is an error
+    naming the file. A `task_name` other than the checkpoint's is an error naming `task_flag` (default
+    `--task NAME`)."""
+    path = ckpt.find_verified(checkpoint, flag)
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise VtrainError(f"{flag}: {path} has no model.safetensors")
     cfg = load_run_config(path / "config.yaml")
     if task_name is not None and task_name != cfg.task:
         raise VtrainError(f"{task_flag or f'--task {task_name}'}: {path} is a {cfg.task} checkpoint")
+    saved = yaml.safe_load((path / "config.yaml").read_text()).get("data") or {}
     sd = load_file(str(weights))
     model = model_for_weights(cfg, {k: tuple(v.shape) for k, v in sd.items()})
     load_strict(model, sd, flag, "weights do not match the model in config.yaml")
-    return path, cfg, model
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    cats_file = path / ckpt.CATEGORIES
+    categories = json.loads(cats_file.read_text()) if cats_file.is_file() else None
+    return LoadedModel(path, cfg, saved, model, device, categories)
 
 
 def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int | None = None,
                         task_name: str | None = None, save_predictions: str | None = None) -> tuple[Any, dict]:
     """Returns (task, metrics). `data` holds DataConfig overrides (path, val_path, pairs_file, val_ann, ...);
     unset values fall back to the data the run was trained on."""
-    path, cfg, model = load_checkpoint(checkpoint, task_name)
-    saved = yaml.safe_load((path / "config.yaml").read_text()).get("data", {})
+    loaded = load_model(checkpoint, task_name)
+    saved, cfg = loaded.saved_data, loaded.cfg
     given = {k: v for k, v in data.items() if v is not None}
     # no --data: the run's own data (and its explicit files); a new --data root: only what is given
     keep = () if "path" in given else ("path", "val_targets", "train_ann", "train_images", "val_ann", "val_images")
@@ -48,10 +82,11 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     cfg = replace(cfg, data=DataConfig(**merged),
                   train=replace(cfg.train, batch_size=batch_size or cfg.train.batch_size))
     task = build_task(cfg)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
-    metrics = task.evaluate(lambda **inputs: model(**inputs), device, save_predictions=save_predictions)
+    model = loaded.model
+    metrics = task.evaluate(lambda **inputs: model(**inputs), loaded.device, save_predictions=save_predictions)
     if metrics is None:
+        if cfg.data.path.startswith("hf:"):
+            raise VtrainError(f"nothing to evaluate on: --data {cfg.data.path} has no validation or test split")
         hint = "--val-ann and --val-images (or --data with annotations/instances_val2017.json)" if cfg.task == "dino" \
             else "--val-data (held-out identities), --pairs or --val-targets / --data X.bin (verification packs)"
         raise VtrainError(f"nothing to evaluate on: give {hint}")

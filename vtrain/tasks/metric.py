@@ -17,6 +17,7 @@ from vtrain.config import RunConfig
 from vtrain.data.faces import FaceFolder, FaceSamples, decode_rgb, load_image, read_pairs, resolve_face_data, \
     sample_pairs, to_model_input
 from vtrain.data.recordio import RecordFaces
+from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
 from vtrain.data.verification_bin import read_bin
 from vtrain.errors import VtrainError
@@ -46,6 +47,7 @@ class MetricTask:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.data = resolve_face_data(cfg.data)
+        self.hf = HfSplits(cfg.data.path) if is_hf(cfg.data.path) else None  # --data hf:PATH (data/hf.py)
         self._train: FaceSamples | None = None
         self._packs: dict[str, tuple[list[bytes], np.ndarray]] = {}
         self.notes: list[str] = []
@@ -56,7 +58,10 @@ class MetricTask:
 
     # ---- data ---------------------------------------------------------------------------------------------
     def train_dataset(self) -> FaceSamples:
-        """RecordIO (train.rec + train.idx) or identity folders, recognised by the files in --data."""
+        """A Hugging Face dataset (`hf:PATH`), RecordIO (train.rec + train.idx) or identity folders, recognised by
+        the files in --data."""
+        if self._train is None and self.hf is not None:
+            self._train = self.hf.faces("train", self.cfg.model.image_size, train=True, seed=self.cfg.train.seed)
         if self._train is None:
             d, size, seed = self.data, self.cfg.model.image_size, self.cfg.train.seed
             if d.layout == "bin":
@@ -113,6 +118,10 @@ class MetricTask:
             pos = {p: i for i, p in enumerate(paths)}
             idx = np.array([[pos[a], pos[b]] for a, b, _ in pairs])
             sets.append(EvalSet("", _Images(paths, load_image, size), idx, np.array([s for *_, s in pairs])))
+        elif self.hf is not None and self.hf.eval_split:  # held-out identities: the validation (or test) split
+            val = self.hf.faces(self.hf.eval_split, size, train=False)
+            idx, same = sample_pairs(val.targets, self.cfg.data.max_impostor_pairs, seed=self.cfg.train.seed)
+            sets.append(EvalSet("", _Images(list(val.samples.images), load_image, size), idx, same))
         elif self.data.val_dir is not None:
             val = FaceFolder(self.data.val_dir, size, train=False, skip_bad=self.cfg.data.skip_bad_images)
             idx, same = sample_pairs(val.targets, self.cfg.data.max_impostor_pairs, seed=self.cfg.train.seed)
@@ -159,10 +168,7 @@ class MetricTask:
                                              num_workers=min(self.cfg.data.num_workers, 2))
         chunks = []
         for imgs in loader:
-            imgs = imgs.to(device, input_dtype)
-            # flip test-time augmentation: sum of the embeddings of the image and its mirror (face.md §1.5)
-            emb = forward(images=imgs)["embedding"].float() + forward(images=imgs.flip(-1))["embedding"].float()
-            chunks.append(F.normalize(emb, dim=1))
+            chunks.append(flip_embeddings(forward, imgs.to(device, input_dtype)))
         local = torch.cat(chunks)
         if world > 1:
             gathered = [torch.empty_like(local) for _ in range(world)]
@@ -192,6 +198,13 @@ class MetricTask:
             t.add_row(label, "pairs", f"{metrics[key('genuine_pairs')]} genuine / {metrics[key('impostor_pairs')]} "
                       "impostor", "", "")
         return t
+
+
+def flip_embeddings(forward: Callable[..., dict[str, torch.Tensor]], images: torch.Tensor) -> torch.Tensor:
+    """Evaluation embeddings (also `vtrain predict --task metric`): flip test-time augmentation, the sum of the
+    embeddings of the image and its mirror (face.md §1.5), L2-normalised in fp32."""
+    emb = forward(images=images)["embedding"].float() + forward(images=images.flip(-1))["embedding"].float()
+    return F.normalize(emb, dim=1)
 
 
 class _Images(Dataset):

@@ -1,1 +1,1 @@
-"""Offline commands that work on a finished run (export)."""
+"""Offline commands that work on finished checkpoints (export, predict), not part of a training run."""

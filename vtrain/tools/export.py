@@ -53,13 +53,14 @@ class ExportReport:
 
 
 def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, verify: bool = True) -> ExportReport:
-    from vtrain.eval.run import load_checkpoint
+    from vtrain.eval.run import load_model
 
     out = Path(out)
     if out.suffix != ".onnx":
         raise VtrainError(f"output {out}: the file name must end in .onnx")
-    path, cfg, model = load_checkpoint(Path(checkpoint), "metric", flag="CHECKPOINT",
-                                       task_flag="vtrain export (--task metric embedding models only)")
+    loaded = load_model(checkpoint, "metric", torch.device("cpu"), flag="CHECKPOINT",
+                        task_flag="vtrain export (--task metric embedding models only)")
+    path, cfg, model = loaded.path, loaded.cfg, loaded.model
     try:
         import onnx  # noqa: F401
         import onnxscript  # noqa: F401  (the torch.export-based exporter's op library)
