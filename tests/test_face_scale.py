@@ -98,7 +98,7 @@ def test_export_onnx_matches_pytorch_on_dynamic_batches(rec_run, tmp_path):
     import onnx
     import onnxruntime as ort
 
-    from vtrain.eval.run import load_checkpoint
+    from vtrain.eval.run import load_model
     from vtrain.tools.export import EmbeddingNet
 
     _, run, _ = rec_run
@@ -110,7 +110,7 @@ def test_export_onnx_matches_pytorch_on_dynamic_batches(rec_run, tmp_path):
     assert meta["mean"] == meta["std"] == "127.5,127.5,127.5" and meta["input_color"] == "RGB"
     assert meta["embedding_dim"] == "32" and meta["input_shape"] == "N,3,112,112"
     assert m.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # symbolic batch axis
-    _, _, model = load_checkpoint(run)
+    model = load_model(run, device=torch.device("cpu")).model
     net = EmbeddingNet(model.backbone, model.neck).eval()
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     for batch in (3, 5):
