@@ -279,14 +279,28 @@ def presets() -> None:
 
 
 def main() -> None:
-    # Click (standalone mode) reports usage errors itself, with exit code 2; our own user errors arrive as
-    # VtrainError from anywhere in the core and become one line too.
+    # Every user error is one `error: ...` line and exit 2: Click's usage errors (an unknown option, `--seed abc`)
+    # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
+    # errors reach us instead of being drawn as a multi-line box (Typer >= 0.26 vendors Click as typer._click).
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+
     from vtrain.engine.interrupt import TrainingInterrupted
     from vtrain.safeio import force_weights_only_env
 
     force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
     try:
-        app(standalone_mode=True)
+        code = app(standalone_mode=False)  # the exit code of --help and the like, else the command's None
+    except NoArgsIsHelpError as e:  # `vtrain` alone: the help text (Typer's rich help is already printed)
+        if e.format_message().strip():
+            e.show()
+        sys.exit(e.exit_code)
+    except ClickException as e:
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        print(f"error: {' '.join(e.format_message().split())}{hint}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(1)
     except VtrainError as e:
         if not getattr(e, "quiet", False):  # an error rank 0 reports for all ranks
             print(f"error: {e}", file=sys.stderr)
@@ -295,6 +309,7 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             print(str(e), file=sys.stderr)
         sys.exit(e.code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ import os
 import signal
 import sys
 
-import torch
-import torch.distributed as dist
+# torch is imported where it is used: the CLI installs the handler first thing, and a bad flag must be reported
+# without paying the seconds of a torch import
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -47,6 +47,8 @@ class GracefulInterrupt:
 
     def use_group(self, world: int) -> None:
         """Collective: a gloo group for the per-step agreement (the default group may be NCCL)."""
+        import torch.distributed as dist
+
         if world > 1:
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
@@ -54,6 +56,9 @@ class GracefulInterrupt:
         """The signal any rank received (0: none). Collective when distributed."""
         if self._group is None:
             return self.signum
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([self.signum], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return int(flag.item())
