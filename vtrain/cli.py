@@ -221,16 +221,16 @@ def estimate_memory_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object")] = False,
 ) -> None:
     """Predict per-GPU training memory from the real model, without a GPU (fake tensors, one traced step)."""
-    from rich.console import Console
-
-    from vtrain.engine.memory import estimate_report, setup_from
-
     if not (0 < gpu_memory < float("inf")):
         raise VtrainError(f"--gpu-memory: must be a positive number of GiB, got {gpu_memory}")
     if gpus < 1:
         raise VtrainError(f"--gpus: must be >= 1, got {gpus}")
     if batch_size is not None and batch_size < 1:
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
+    from rich.console import Console  # after the checks above: a bad number is reported without importing torch
+
+    from vtrain.engine.memory import estimate_report, setup_from
+
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
                        fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
