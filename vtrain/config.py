@@ -219,9 +219,14 @@ class ParallelConfig:
             p = Path(self.ds_config)
             _check(p.is_file(), "--ds-config", f"file not found: {self.ds_config}")
             try:
-                json.loads(p.read_text())
+                raw = json.loads(p.read_text())
             except (OSError, ValueError) as e:
                 raise ConfigError(f"--ds-config: {self.ds_config} is not valid JSON ({e})") from None
+            # the JSON's own structure is checked now (a pure function of the file, no DeepSpeed import), so a
+            # typo there is one line before start-up; the values vtrain owns are filled in at launch (plan.py)
+            from vtrain.engine.ds_config import check_structure
+
+            check_structure(raw, self.ds_config)
             _check(not self.fsdp, "--fsdp", "cannot be combined with --ds-config (choose DeepSpeed or FSDP)")
 
 
