@@ -32,13 +32,21 @@ class GracefulInterrupt:
         self.signum = 0
         self._group = None
         self._previous: dict[int, object] = {}
+        self._pid = os.getpid()
 
     def install(self) -> "GracefulInterrupt":
+        self._pid = os.getpid()
         for s in SIGNALS:
             self._previous[s] = signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum: int, frame) -> None:
+        if os.getpid() != self._pid:
+            # a forked child (multiprocessing.Pool writing the demo data) inherits this handler; it has no step
+            # to finish, and Pool.terminate() waits for the SIGTERM it sends to kill it: die as by default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.signum:  # second signal: leave now
             os._exit(128 + signum)
         self.signum = signum
