@@ -30,22 +30,25 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
+# config fields that have a flag of their own, per section (the others are set in a --config file only)
+FLAG_SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
+              "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
+              "allow_partial_pretrained"),
+    "data": ("path", "num_workers", "val_path", "pairs_file", "train_ann", "train_images", "val_ann", "val_images",
+             "max_size", "skip_bad_images"),
+    "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad"),
+    "parallel": ("mixed_precision", "ds_config", "fsdp"),
+    "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
+              "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
+              "overwrite_output_dir"),
+}
+
+
 def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
     """Map flat CLI flags to config sections; unset flags (None) do not override the YAML file."""
-    sections = {
-        "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
-                  "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
-                  "allow_partial_pretrained"),
-        "data": ("path", "num_workers", "val_path", "pairs_file", "train_ann", "train_images", "val_ann", "val_images",
-                 "max_size", "skip_bad_images"),
-        "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad"),
-        "parallel": ("mixed_precision", "ds_config", "fsdp"),
-        "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
-                  "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
-                  "overwrite_output_dir"),
-    }
-    out: dict[str, dict[str, Any]] = {s: {} for s in sections}
-    for section, names in sections.items():
+    out: dict[str, dict[str, Any]] = {s: {} for s in FLAG_SECTIONS}
+    for section, names in FLAG_SECTIONS.items():
         for n in names:
             v = flags.get(n)
             if isinstance(v, Enum):
@@ -168,6 +171,8 @@ def consolidate_cmd(
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
 ) -> None:
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
+    if dtype not in ("fp32", "bf16", "fp16"):  # before the imports: a typo is reported at once
+        raise VtrainError("--dtype: choose one of fp32, bf16, fp16")
     import torch
     from rich.table import Table
 
@@ -175,8 +180,6 @@ def consolidate_cmd(
     from vtrain.engine.logging import console
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if dtype not in dtypes:
-        raise VtrainError(f"--dtype: choose one of {', '.join(dtypes)}")
     report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
                          overwrite)
     console.print(f"found: {report.source.description}", soft_wrap=True)
