@@ -30,22 +30,25 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
+# config fields that have a flag of their own, per section (the others are set in a --config file only)
+FLAG_SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
+              "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
+              "allow_partial_pretrained"),
+    "data": ("path", "num_workers", "val_path", "pairs_file", "val_targets", "train_ann", "train_images", "val_ann",
+             "val_images", "max_size", "skip_bad_images"),
+    "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad", "layer_decay"),
+    "parallel": ("mixed_precision", "ds_config", "fsdp"),
+    "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
+              "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
+              "overwrite_output_dir"),
+}
+
+
 def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
     """Map flat CLI flags to config sections; unset flags (None) do not override the YAML file."""
-    sections = {
-        "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
-                  "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
-                  "allow_partial_pretrained"),
-        "data": ("path", "num_workers", "val_path", "pairs_file", "val_targets", "train_ann", "train_images", "val_ann",
-                 "val_images", "max_size", "skip_bad_images"),
-        "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad", "layer_decay"),
-        "parallel": ("mixed_precision", "ds_config", "fsdp"),
-        "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
-                  "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
-                  "overwrite_output_dir"),
-    }
-    out: dict[str, dict[str, Any]] = {s: {} for s in sections}
-    for section, names in sections.items():
+    out: dict[str, dict[str, Any]] = {s: {} for s in FLAG_SECTIONS}
+    for section, names in FLAG_SECTIONS.items():
         for n in names:
             v = flags.get(n)
             if isinstance(v, Enum):
@@ -217,6 +220,8 @@ def consolidate_cmd(
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
 ) -> None:
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
+    if dtype not in ("fp32", "bf16", "fp16"):  # before the imports: a typo is reported at once
+        raise VtrainError("--dtype: choose one of fp32, bf16, fp16")
     import torch
     from rich.table import Table
 
@@ -224,8 +229,6 @@ def consolidate_cmd(
     from vtrain.engine.logging import console
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if dtype not in dtypes:
-        raise VtrainError(f"--dtype: choose one of {', '.join(dtypes)}")
     report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
                          overwrite)
     console.print(f"found: {report.source.description}", soft_wrap=True)
@@ -293,16 +296,16 @@ def estimate_memory_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object")] = False,
 ) -> None:
     """Predict per-GPU training memory from the real model, without a GPU (fake tensors, one traced step)."""
-    from rich.console import Console
-
-    from vtrain.engine.memory import estimate_report, setup_from
-
     if not (0 < gpu_memory < float("inf")):
         raise VtrainError(f"--gpu-memory: must be a positive number of GiB, got {gpu_memory}")
     if gpus < 1:
         raise VtrainError(f"--gpus: must be >= 1, got {gpus}")
     if batch_size is not None and batch_size < 1:
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
+    from rich.console import Console  # after the checks above: a bad number is reported without importing torch
+
+    from vtrain.engine.memory import estimate_report, setup_from
+
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
                        fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
@@ -351,14 +354,28 @@ def presets() -> None:
 
 
 def main() -> None:
-    # Click (standalone mode) reports usage errors itself, with exit code 2; our own user errors arrive as
-    # VtrainError from anywhere in the core and become one line too.
+    # Every user error is one `error: ...` line and exit 2: Click's usage errors (an unknown option, `--seed abc`)
+    # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
+    # errors reach us instead of being drawn as a multi-line box (Typer >= 0.26 vendors Click as typer._click).
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+
     from vtrain.engine.interrupt import TrainingInterrupted
     from vtrain.safeio import force_weights_only_env
 
     force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
     try:
-        app(standalone_mode=True)
+        code = app(standalone_mode=False)  # the exit code of --help and the like, else the command's None
+    except NoArgsIsHelpError as e:  # `vtrain` alone: the help text (Typer's rich help is already printed)
+        if e.format_message().strip():
+            e.show()
+        sys.exit(e.exit_code)
+    except ClickException as e:
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        print(f"error: {' '.join(e.format_message().split())}{hint}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(1)
     except VtrainError as e:
         if not getattr(e, "quiet", False):  # an error rank 0 reports for all ranks
             print(f"error: {e}", file=sys.stderr)
@@ -367,6 +384,7 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             print(str(e), file=sys.stderr)
         sys.exit(e.code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -36,16 +36,35 @@ def _check(cond: bool, flag: str, msg: str) -> None:
         raise ConfigError(f"{flag} ({key}): {msg}" if key else f"{flag}: {msg}")
 
 
+def directory_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be (or become) a directory: it, or the nearest part of it that exists, is a file."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        return f"{p} is a file, not a directory" + (f" (in {path})" if p != Path(path) else "")
+    return None
+
+
 # flags whose name is not the field name with dashes
 _FLAG_RENAMES = {"preset": "--model", "path": "--data", "val_path": "--val-data", "pairs_file": "--pairs"}
+# fields set only in a --config file (no flag): their errors name the key alone, never a flag that does not exist
+CONFIG_ONLY = frozenset({"max_impostor_pairs", "betas", "min_lr_ratio", "milestones", "gamma", "fsdp_offload",
+                         "fsdp_reshard_after_forward"})
 
 
 def flag_of(name: str) -> str:
     return _FLAG_RENAMES.get(name, "--" + name.replace("_", "-"))
 
 
+def _where(section: str, name: str) -> str:
+    """How an error names a field: `--lr (optim.lr)`, or `optim.betas` for a field without a flag."""
+    return f"{section}.{name}" if name in CONFIG_ONLY else f"{flag_of(name)} ({section}.{name})"
+
+
 def _flag_keys() -> dict[str, str]:
-    return {flag_of(f.name): f"{section}.{f.name}" for section, cls in _SECTION_CLASSES.items() for f in fields(cls)}
+    return {flag_of(f.name): f"{section}.{f.name}" for section, cls in _SECTION_CLASSES.items() for f in fields(cls)
+            if f.name not in CONFIG_ONLY}
 
 
 @dataclass
@@ -141,6 +160,10 @@ class DataConfig:
             p = Path(self.path)
             _check(p.is_dir() or (p.is_file() and p.suffix == ".bin"), "--data",
                    f"not a directory (or a verification .bin pack): {self.path}")
+        else:  # the demo data is written to the cache: a bad VTRAIN_CACHE is reported now, not after start-up
+            from vtrain.data.cache import cache_root
+
+            cache_root()
         if self.val_targets is not None:  # `lfw, agedb_30` from a flag or YAML; also built directly by `vtrain eval`
             items = self.val_targets.split(",") if isinstance(self.val_targets, str) else self.val_targets
             self.val_targets = [t.strip() for t in items if t.strip()]
@@ -215,9 +238,14 @@ class ParallelConfig:
             p = Path(self.ds_config)
             _check(p.is_file(), "--ds-config", f"file not found: {self.ds_config}")
             try:
-                json.loads(p.read_text())
+                raw = json.loads(p.read_text())
             except (OSError, ValueError) as e:
                 raise ConfigError(f"--ds-config: {self.ds_config} is not valid JSON ({e})") from None
+            # the JSON's own structure is checked now (a pure function of the file, no DeepSpeed import), so a
+            # typo there is one line before start-up; the values vtrain owns are filled in at launch (plan.py)
+            from vtrain.engine.ds_config import check_structure
+
+            check_structure(raw, self.ds_config)
             _check(not self.fsdp, "--fsdp", "cannot be combined with --ds-config (choose DeepSpeed or FSDP)")
 
 
@@ -256,8 +284,8 @@ class TrainConfig:
         _check(self.log_every > 0, "--log-every", f"must be > 0, got {self.log_every}")
         _check(self.max_nonfinite > 0, "--max-nonfinite", "must be > 0")
         _check(0 <= self.seed < 2**32, "--seed", f"must be in 0..2**32-1, got {self.seed}")
-        out = Path(self.output_dir)
-        _check(not out.exists() or out.is_dir(), "--output-dir", f"{out} is a file, not a directory")
+        problem = directory_problem(self.output_dir)
+        _check(problem is None, "--output-dir", str(problem))
         _check(not (self.resume and self.resume_weights_only), "--resume-weights-only",
                "cannot be combined with --resume (one continues a run, the other starts a new one from weights)")
         _check(not (self.resume and self.overwrite_output_dir), "--overwrite-output-dir",
@@ -363,7 +391,7 @@ def build_config(task: str, file_values: dict[str, Any] | None = None,
     sections = {}
     for name, cls in _SECTION_CLASSES.items():
         hints = typing.get_type_hints(cls)
-        values = {k: coerce(v, hints[k], f"{flag_of(k)} ({name}.{k})") for k, v in merged[name].items()}
+        values = {k: coerce(v, hints[k], _where(name, k)) for k, v in merged[name].items()}
         sections[name] = cls(**values)
     return RunConfig(task=task, **sections)
 

@@ -231,6 +231,7 @@ class Trainer:
                             num_workers=workers, drop_last=True, collate_fn=collate,
                             persistent_workers=workers > 0, pin_memory=self.accelerator.device.type == "cuda",
                             worker_init_fn=ignore_in_worker)
+        self._loader = loader
         while True:
             self.sampler.set_position(epoch, offset)
             for batch in loader:
@@ -292,6 +293,20 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any] | None:
+        try:
+            return self._fit()
+        finally:
+            self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        """Shut the DataLoader workers down through their queues, also after an error (an unreadable image raised
+        in a worker). They ignore SIGTERM (interrupt.ignore_in_worker), so multiprocessing's exit hook, which
+        terminates daemonic children with SIGTERM and then joins them, would otherwise wait forever."""
+        it = getattr(getattr(self, "_loader", None), "_iterator", None)  # persistent workers' iterator
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    def _fit(self) -> dict[str, Any] | None:
         t = self.cfg.train
         self.logger.info(self.describe())
         if self.pretrained_msg:
