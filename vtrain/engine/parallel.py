@@ -273,6 +273,14 @@ class ParallelEngine:
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "fsdp"))
 
     def load(self, path: Path) -> None:
+        # Accelerate reads the RNG states inside `except Exception: "Could not load random states"`, so a refused
+        # (doctored) file would be skipped silently and the resume quietly lose them: read it first with
+        # Accelerate's own loader, so a refusal is the usual one-line error (tests/test_safety.py).
+        from accelerate.utils import load as accelerate_load
+
+        rng = path / "accelerate" / f"random_states_{self.accelerator.process_index}.pkl"
+        if rng.is_file():
+            accelerate_load(rng)
         self.accelerator.load_state(str(path / "accelerate"))
         if self.plan.kind == "fsdp":
             import torch.distributed.checkpoint as dcp
