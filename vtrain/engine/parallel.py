@@ -25,7 +25,7 @@ from vtrain.engine import precision as prec
 from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
-from vtrain.safeio import check_dcp
+from vtrain.safeio import check_dcp, dcp_refusals
 
 
 def _free_port() -> int:
@@ -291,7 +291,8 @@ class ParallelEngine:
             check_dcp([path / "fsdp"])  # DCP reads its .metadata with plain pickle.load
             msd, osd = get_state_dict(self.model, self.optimizer)
             state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=str(path / "fsdp"))
+            with dcp_refusals(path / "fsdp"):
+                dcp.load(state, checkpoint_id=str(path / "fsdp"))
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
 
