@@ -234,6 +234,36 @@ def _plant_dcp(command):
     return plant
 
 
+def _plant_dcp_item(fqn, command):
+    """Replace one item of a `.distcp` shard (DCP torch.load-s each from an unnamed buffer): appended to the
+    shard, with the `.metadata` pointing to it."""
+    def plant(run, obj, tmp_path, faces):
+        import dataclasses
+        import io
+
+        from vtrain.safeio import _dcp_globals, restricted_load
+
+        step = ckpt.complete_checkpoints(run)[-1]
+        folder = step / "fsdp"
+        meta = restricted_load(folder / ".metadata", _dcp_globals())
+        index = next(k for k in meta.storage_data if k.fqn == fqn)
+        info = meta.storage_data[index]
+        blob = io.BytesIO()
+        torch.save({"vtrain_test_payload": obj}, blob)
+        shard = folder / info.relative_path
+        offset = shard.stat().st_size
+        with open(shard, "ab") as f:
+            f.write(blob.getvalue())
+        meta.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(blob.getvalue()))
+        (folder / ".metadata").write_bytes(pickle.dumps(meta))
+        reseal(step)
+        if command == "consolidate":
+            return folder, ["consolidate", step, tmp_path / "out.safetensors"]
+        return folder, ["train", "--data", faces, "--output-dir", run, *ARGS, "--max-steps", "2", "--resume", "auto",
+                        "--fsdp"]
+    return plant
+
+
 PICKLES = {  # case -> (prior run, how the payload calls out, where it is planted and which command reads it)
     "accelerate-optimizer.bin": ("single", "system", _plant_accelerate("optimizer.bin")),
     "accelerate-random_states": ("single", "open", _plant_accelerate("random_states_0.pkl")),
@@ -248,6 +278,8 @@ PICKLES = {  # case -> (prior run, how the payload calls out, where it is plante
     "deepspeed-optim_states-consolidate": ("zero2", "system", _plant_deepspeed("*_optim_states.pt", "consolidate")),
     "fsdp-dcp-metadata-resume": ("fsdp", "system", _plant_dcp("resume")),
     "fsdp-dcp-metadata-consolidate": ("fsdp", "open", _plant_dcp("consolidate")),
+    "fsdp-dcp-item-resume": ("fsdp", "system", _plant_dcp_item("optim.param_groups.0.lr", "resume")),
+    "fsdp-dcp-tensor-consolidate": ("fsdp", "open", _plant_dcp_item("model.head.weight", "consolidate")),
 }
 
 
@@ -259,7 +291,7 @@ def test_malicious_pickle_is_refused_and_never_runs(case, cli, faces, tmp_path, 
     obj, name = _payload(marker, how)
     f, args = plant(run, obj, tmp_path, faces)
     proc = cli(*args)
-    one_error(proc, f"refusing to unpickle {f}", f"`{name}`")
+    one_error(proc, "refusing to unpickle", str(f), f"`{name}`")
     assert not marker.exists()
     assert not (tmp_path / "out.safetensors").exists()
     if "--resume" in args:  # nothing was trained or saved past the refused checkpoint
