@@ -106,11 +106,21 @@ def copy_run(run: Path, tmp_path: Path) -> Path:
 
 # ---- one prior run per engine (copied per case) -------------------------------------------------------------------
 
+def _pickled_files(run: Path) -> set[str]:
+    """The files of a run's newest checkpoint that are not a safe format: each one is a case in PICKLES (a new
+    file type written by vtrain or an engine shows up here and needs a case)."""
+    step = ckpt.complete_checkpoints(run)[-1]
+    safe = (".safetensors", ".json", ".yaml", ".py", "latest")  # zero_to_fp32.py is DeepSpeed's, never run by us
+    return {f for f in ckpt.payload_files(step) if not f.endswith(safe)}
+
+
 @pytest.fixture(scope="module")
 def single(cli, faces, tmp_path_factory):
     """A one-process run with step_1 and step_2 (Accelerate: model.safetensors, optimizer.bin, random_states)."""
     out = tmp_path_factory.mktemp("single") / "run"
     ok(train(cli, faces, out, "--max-steps", "2", "--save-every", "1", "--keep-last", "2"))
+    # no scheduler.bin / custom_checkpoint_*.pkl: nothing is registered with Accelerate beyond model and optimizer
+    assert _pickled_files(out) == {"accelerate/optimizer.bin", "accelerate/random_states_0.pkl"}
     return out
 
 
@@ -119,6 +129,9 @@ def zero2(cli, faces, tmp_path_factory):
     """DeepSpeed ZeRO-2 on one process: mp_rank_00_model_states.pt and one *_optim_states.pt."""
     out = tmp_path_factory.mktemp("zero2") / "run"
     ok(train(cli, faces, out, "--max-steps", "1", "--ds-config", "ds_configs/zero2.json"))
+    assert _pickled_files(out) == {"accelerate/pytorch_model/mp_rank_00_model_states.pt",
+                                   "accelerate/pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                   "accelerate/random_states_0.pkl"}
     return out
 
 
@@ -127,6 +140,7 @@ def fsdp(cli, faces, tmp_path_factory):
     """FSDP2 on one process: a torch distributed checkpoint (a pickled `.metadata` + `.distcp` shards)."""
     out = tmp_path_factory.mktemp("fsdp") / "run"
     ok(train(cli, faces, out, "--max-steps", "1", "--fsdp"))
+    assert _pickled_files(out) == {"fsdp/.metadata", "fsdp/__0_0.distcp", "accelerate/random_states_0.pkl"}
     return out
 
 
@@ -385,11 +399,13 @@ def _wait_for(path: Path, proc_alive, what: str, timeout: float = 300) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a child of the CLI server that exited is a zombie until the server waits for it)."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return True
 
 
 def test_a_killed_runs_lock_is_taken_over(cli, faces, tmp_path):
@@ -565,7 +581,8 @@ def test_debug_signal_at_step_and_a_second_signal_exits_at_once(cli, faces, tmp_
     assert _interrupted(proc, out, signal.SIGTERM) == 3
     # two signals at once (both pending when the run is continued): the second one exits without saving
     out = tmp_path / "twice"
-    job = cli.start("train", "--data", str(faces), "--output-dir", str(out), *ARGS, *SIG_ARGS)
+    job = cli.start("train", "--data", str(faces), "--output-dir", str(out), *ARGS, "--max-steps", "1000",
+                    "--save-every", "1000")
     _wait_for(out / "metrics.jsonl", lambda: _alive(job["pid"]), "logged step")
     os.kill(job["pid"], signal.SIGSTOP)
     os.kill(job["pid"], signal.SIGTERM)
