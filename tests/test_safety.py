@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from conftest import ROOT, env, ok, reseal
 from vtrain.engine import checkpoint as ckpt
@@ -44,9 +44,10 @@ class Cli:
     def __init__(self, logs: Path) -> None:
         self.logs, self.n = logs, 0
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self.server_err = open(logs / "server.err", "w")
         self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "cli_server.py")], cwd=ROOT,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                       stderr=open(logs / "server.err", "w"), env=env(PYTHONPATH=path))
+                                       stderr=self.server_err, env=env(PYTHONPATH=path))
 
     def _ask(self, request: dict, timeout: float = 600, pid: int | None = None) -> dict:
         self.server.stdin.write(json.dumps(request) + "\n")
@@ -74,6 +75,7 @@ class Cli:
     def close(self) -> None:
         self.server.stdin.close()
         self.server.wait(timeout=60)
+        self.server_err.close()
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +305,9 @@ def test_malicious_pickle_is_refused_and_never_runs(case, cli, faces, tmp_path, 
     run = copy_run(request.getfixturevalue(prior), tmp_path)
     marker = tmp_path / "PWNED"
     obj, name = _payload(marker, how)
+    pickle.loads(pickle.dumps(obj))  # the payload is live: plain unpickling runs it
+    assert marker.exists()
+    marker.unlink()
     f, args = plant(run, obj, tmp_path, faces)
     proc = cli(*args)
     one_error(proc, "refusing to unpickle", str(f), f"`{name}`")
