@@ -25,7 +25,7 @@ from vtrain.engine import precision as prec
 from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
-from vtrain.safeio import check_dcp
+from vtrain.safeio import check_dcp, dcp_refusals
 
 
 def _free_port() -> int:
@@ -273,6 +273,14 @@ class ParallelEngine:
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "fsdp"))
 
     def load(self, path: Path) -> None:
+        # Accelerate reads the RNG states inside `except Exception: "Could not load random states"`, so a refused
+        # (doctored) file would be skipped silently and the resume quietly lose them: read it first with
+        # Accelerate's own loader, so a refusal is the usual one-line error (tests/test_safety.py).
+        from accelerate.utils import load as accelerate_load
+
+        rng = path / "accelerate" / f"random_states_{self.accelerator.process_index}.pkl"
+        if rng.is_file():
+            accelerate_load(rng)
         self.accelerator.load_state(str(path / "accelerate"))
         if self.plan.kind == "fsdp":
             import torch.distributed.checkpoint as dcp
@@ -283,7 +291,8 @@ class ParallelEngine:
             check_dcp([path / "fsdp"])  # DCP reads its .metadata with plain pickle.load
             msd, osd = get_state_dict(self.model, self.optimizer)
             state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=str(path / "fsdp"))
+            with dcp_refusals(path / "fsdp"):
+                dcp.load(state, checkpoint_id=str(path / "fsdp"))
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
 

@@ -343,9 +343,6 @@ class Trainer:
                     window[k] = window.get(k, 0.0) + v
                     window[f"n_{k}"] = window.get(f"n_{k}", 0) + 1
             self.logger.advance()
-            signum = self.interrupt.requested()  # collective: every rank stops at the same step
-            if signum:
-                self._stop_interrupted(signum)
             if self.step % t.log_every == 0 or self.step == self.total_steps:
                 self._check_parameters()
                 self._log(epoch, window, timer)
@@ -355,6 +352,11 @@ class Trainer:
                 self.logger.close()
                 raise VtrainError(f"stopping: {self.consecutive_nonfinite} consecutive steps with a non-finite loss "
                                   f"(step {self.step}); lower --lr or raise --warmup-steps, or use bf16")
+            # after the log line (a resumed run's log then misses no step), before an evaluation (preemption
+            # leaves little time)
+            signum = self.interrupt.requested()  # collective: every rank stops at the same step
+            if signum:
+                self._stop_interrupted(signum)
             if t.eval_every and self.step % t.eval_every == 0 and self.step != self.total_steps:
                 last_eval = self.evaluate()
             if self.step % t.save_every == 0 or self.step == self.total_steps:
