@@ -493,6 +493,9 @@ def test_damaged_newest_checkpoint_is_named_and_skipped_by_resume_auto(damage, c
     one_error(cli("eval", "--checkpoint", str(newest), "--data", str(faces)), str(f), problem)
     one_error(cli("consolidate", str(newest), str(tmp_path / "out.safetensors")), str(f), problem)
     assert not (tmp_path / "out.safetensors").exists()
+    # a run dir: consolidate (and eval) use the newest checkpoint that verifies, and say which one they skipped
+    proc = cli("consolidate", str(run), str(tmp_path / "older.safetensors"))
+    assert proc.returncode == 0 and "skipping a damaged checkpoint" in proc.stderr and str(f) in proc.stderr
 
     proc = ok(train(cli, faces, run, "--max-steps", "3", "--save-every", "1", "--resume", "auto"))
     log = proc.stdout + proc.stderr

@@ -351,17 +351,19 @@ TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+def read_yaml(path: str | Path, what: str = "--config") -> dict[str, Any]:
+    """A YAML mapping, read with safe_load (no Python tags); errors are named after `what` (the flag, or the
+    checkpoint the file belongs to)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--config: file not found: {path}")
+        raise ConfigError(f"{what}: file not found: {path}")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"--config: {path} is not valid YAML ({first})") from None
+        raise ConfigError(f"{what}: {path} is not valid YAML ({first})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--config: {path} must hold a mapping of sections (model, data, optim, parallel, train)")
+        raise ConfigError(f"{what}: {path} must hold a mapping of sections (model, data, optim, parallel, train)")
     return data
 
 
@@ -451,7 +453,7 @@ def _number(value: Any, where: str, kind: str) -> float:
 
 def load_run_config(path: str | Path) -> RunConfig:
     """Rebuild the config saved with a run (``config.yaml``), skipping path checks that may no longer hold."""
-    data = read_yaml(path)
+    data = read_yaml(path, "checkpoint config")
     task = data.pop("task", "metric")
     data.get("model", {}).pop("pretrained", None)  # weights come from the checkpoint
     data.get("train", {}).pop("resume", None)

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,6 +241,8 @@ def find_verified(path: str | Path, flag: str) -> Path:
     for cand in reversed(found):
         problem = verify(cand)
         if problem is None:
+            for skipped in problems:  # as --resume auto does: never use an older checkpoint silently
+                print(f"note: {flag}: skipping a damaged checkpoint: {skipped}", file=sys.stderr)
             return cand
         problems.append(problem)
     raise CheckpointError(f"{flag}: no checkpoint in {path} verifies; newest: {problems[0]}")
