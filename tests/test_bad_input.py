@@ -165,6 +165,16 @@ def flag_case(id_: str, args: list[str], *needles: str) -> None:
     CASES.append((id_, lambda c, a=args: c.train(*a), needles))
 
 
+def yaml_case(id_: str, text: str, *needles: str) -> None:
+    """`vtrain train --config C.yaml` with `text` as the file."""
+    CASES.append((id_, lambda c, t=text: c.train(*c.yaml(t)), needles))
+
+
+def ds_case(id_: str, obj: dict, *needles: str) -> None:
+    """`vtrain train --ds-config DS.json` with `obj` as the JSON."""
+    CASES.append((id_, lambda c, o=obj: c.train(*c.ds(o)), needles))
+
+
 # flags: non-finite and out-of-range numbers, unknown choices, bad types (Click's own errors included)
 flag_case("lr-inf", ["--lr", "inf"], "--lr (optim.lr)", "finite")
 flag_case("lr-nan", ["--lr", "nan"], "optim.lr", "finite")
@@ -257,54 +267,16 @@ def _(c):
 
 
 # YAML config files: every key coerced or refused per its type, errors name section.key
-@case("yaml-lr-not-a-number", "optim.lr", "'fast'")
-def _(c):
-    return c.train(*c.yaml("optim: {lr: fast}\n"))
-
-
-@case("yaml-max-steps-fraction", "train.max_steps", "integer")
-def _(c):
-    return c.train(*c.yaml("train: {max_steps: 2.7}\n"))
-
-
-@case("yaml-batch-size-list", "train.batch_size")
-def _(c):
-    return c.train(*c.yaml("train: {batch_size: [1, 2]}\n"))
-
-
-@case("yaml-lr-infinite", "optim.lr", "finite")
-def _(c):
-    return c.train(*c.yaml("optim: {lr: .inf}\n"))
-
-
-@case("yaml-bool-not-bool", "parallel.fsdp", "true or false")
-def _(c):
-    return c.train(*c.yaml("parallel: {fsdp: maybe}\n"))
-
-
-@case("yaml-config-only-key-bad", "optim.betas", "2 values")
-def _(c):
-    return c.train(*c.yaml("optim: {betas: [0.9]}\n"))
-
-
-@case("yaml-unknown-key", "train.batchsize", "unknown key")
-def _(c):
-    return c.train(*c.yaml("train: {batchsize: 4}\n"))
-
-
-@case("yaml-unknown-section", "'trainer'", "unknown section")
-def _(c):
-    return c.train(*c.yaml("trainer: {batch_size: 4}\n"))
-
-
-@case("yaml-section-not-mapping", "'train'", "mapping")
-def _(c):
-    return c.train(*c.yaml("train: 5\n"))
-
-
-@case("yaml-top-level-list", "c.yaml", "mapping")
-def _(c):
-    return c.train(*c.yaml("- a\n- b\n"))
+yaml_case("yaml-lr-not-a-number", "optim: {lr: fast}\n", "optim.lr", "'fast'")
+yaml_case("yaml-max-steps-fraction", "train: {max_steps: 2.7}\n", "train.max_steps", "integer")
+yaml_case("yaml-batch-size-list", "train: {batch_size: [1, 2]}\n", "train.batch_size")
+yaml_case("yaml-lr-infinite", "optim: {lr: .inf}\n", "optim.lr", "finite")
+yaml_case("yaml-bool-not-bool", "parallel: {fsdp: maybe}\n", "parallel.fsdp", "true or false")
+yaml_case("yaml-config-only-key-bad", "optim: {betas: [0.9]}\n", "optim.betas", "2 values")
+yaml_case("yaml-unknown-key", "train: {batchsize: 4}\n", "train.batchsize", "unknown key")
+yaml_case("yaml-unknown-section", "trainer: {batch_size: 4}\n", "'trainer'", "unknown section")
+yaml_case("yaml-section-not-mapping", "train: 5\n", "'train'", "mapping")
+yaml_case("yaml-top-level-list", "- a\n- b\n", "c.yaml", "mapping")
 
 
 @case("yaml-python-tag-does-not-run", "c.yaml", "not valid YAML")
@@ -313,45 +285,19 @@ def _(c):
     return c.train(*c.yaml(f'!!python/object/apply:os.system ["touch {c.inputs}/pwned"]\n'))
 
 
-@case("yaml-milestone-beyond-max-steps", "optim.milestones", "beyond")
-def _(c):
-    return c.train(*c.yaml("optim: {milestones: [50]}\ntrain: {max_steps: 10}\n"))
-
-
-@case("yaml-not-yaml", "c.yaml", "not valid YAML")
-def _(c):
-    return c.train(*c.yaml("model: {preset: [debug\n"))
-
+yaml_case("yaml-milestone-beyond-max-steps", "optim: {milestones: [50]}\ntrain: {max_steps: 10}\n",
+          "optim.milestones", "beyond")
+yaml_case("yaml-not-yaml", "model: {preset: [debug\n", "c.yaml", "not valid YAML")
 
 # DeepSpeed JSON: its structure is checked with the config, before start-up
-@case("ds-offload-optimizer-string", "offload_optimizer", "object")
-def _(c):
-    return c.train(*c.ds({"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}))
-
-
-@case("ds-stage-7", "zero_optimization.stage", "7")
-def _(c):
-    return c.train(*c.ds({"zero_optimization": {"stage": 7}}))
-
-
-@case("ds-optimizer-section", "'optimizer'")
-def _(c):
-    return c.train(*c.ds({"optimizer": {"type": "Adam"}}))
-
-
-@case("ds-bf16-and-fp16", "bf16 and fp16")
-def _(c):
-    return c.train(*c.ds({"bf16": {"enabled": True}, "fp16": {"enabled": True}}))
-
-
-@case("ds-bf16-enabled-not-bool", "bf16.enabled")
-def _(c):
-    return c.train(*c.ds({"bf16": {"enabled": "yes"}}))
-
-
-@case("ds-offload-param-stage-2", "offload_param", "stage 3")
-def _(c):
-    return c.train(*c.ds({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}))
+ds_case("ds-offload-optimizer-string", {"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}},
+        "offload_optimizer", "object")
+ds_case("ds-stage-7", {"zero_optimization": {"stage": 7}}, "zero_optimization.stage", "7")
+ds_case("ds-optimizer-section", {"optimizer": {"type": "Adam"}}, "'optimizer'")
+ds_case("ds-bf16-and-fp16", {"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16 and fp16")
+ds_case("ds-bf16-enabled-not-bool", {"bf16": {"enabled": "yes"}}, "bf16.enabled")
+ds_case("ds-offload-param-stage-2", {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+        "offload_param", "stage 3")
 
 
 @case("ds-not-json", "ds.json", "not valid JSON")

@@ -14,6 +14,7 @@ import yaml
 
 from conftest import metrics, ok, reseal, vtrain
 from vtrain.config import DataConfig
+from vtrain.data.demo_faces import verification_pairs
 from vtrain.data.faces import FaceFolder, resolve_face_data
 from vtrain.data.recordio import write_face_rec
 from vtrain.data.verification_bin import write_bin
@@ -26,20 +27,7 @@ PACK_KEYS = ("lfw/acc", "lfw/acc_std", "lfw/acc_threshold", "lfw/TAR@FAR=0.1", "
 def write_pack(val_root: Path, path: Path) -> None:
     """LFW-style pack over held-out identities: 10 folds of 2 genuine then 2 impostor pairs."""
     val = FaceFolder(val_root, 112, train=False)
-    by_id: dict[int, list[str]] = {}
-    for p, label in val.samples:
-        by_id.setdefault(label, []).append(p)
-    rng = np.random.default_rng(0)
-    images, same = [], []
-    for _ in range(10):
-        for genuine in (True, True, False, False):
-            if genuine:
-                a, b = rng.choice(by_id[int(rng.integers(len(by_id)))], 2, replace=False)
-            else:
-                i, j = rng.choice(len(by_id), 2, replace=False)
-                a, b = rng.choice(by_id[int(i)]), rng.choice(by_id[int(j)])
-            images += [Path(a).read_bytes(), Path(b).read_bytes()]
-            same.append(genuine)
+    images, same = verification_pairs(val.samples, 10, 2, np.random.default_rng(0))
     write_bin(path, images, same, protocol=2)
 
 

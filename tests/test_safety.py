@@ -177,12 +177,18 @@ def _torch_plant(path: Path, obj) -> None:
     torch.save(state, path)
 
 
+def _resume(run, faces, max_steps: int, *flags):
+    """The command that resumes the prior run `run` from its newest checkpoint, reading the planted file."""
+    return ["train", "--data", faces, "--output-dir", run, *ARGS, "--max-steps", str(max_steps), "--resume", "auto",
+            *flags]
+
+
 def _plant_accelerate(name):
     def plant(run, obj, tmp_path, faces):
         f = run / "checkpoints" / "step_2" / "accelerate" / name
         _torch_plant(f, obj)
         reseal(f.parents[1])
-        return f, ["train", "--data", faces, "--output-dir", run, *ARGS, "--max-steps", "3", "--resume", "auto"]
+        return f, _resume(run, faces, 3)
     return plant
 
 
@@ -193,8 +199,7 @@ def _plant_legacy_train_state(run, obj, tmp_path, faces):
     (step / ckpt.TRAIN_STATE).unlink()
     torch.save({**state, "vtrain_test_payload": obj}, step / ckpt.LEGACY_TRAIN_STATE)
     (step / ckpt.COMPLETE).write_text("2")
-    return step / ckpt.LEGACY_TRAIN_STATE, ["train", "--data", faces, "--output-dir", run, *ARGS, "--max-steps", "3",
-                                            "--resume", "auto"]
+    return step / ckpt.LEGACY_TRAIN_STATE, _resume(run, faces, 3)
 
 
 def _weights_pt(run, obj, tmp_path, prefix=""):
@@ -228,9 +233,16 @@ def _plant_deepspeed(glob, command):
         reseal(step)
         if command == "consolidate":
             return f, ["consolidate", run, tmp_path / "out.safetensors"]
-        return f, ["train", "--data", faces, "--output-dir", run, *ARGS, "--max-steps", "2", "--resume", "auto",
-                   "--ds-config", "ds_configs/zero2.json"]
+        return f, _resume(run, faces, 2, "--ds-config", "ds_configs/zero2.json")
     return plant
+
+
+def _read_dcp(run, step, tmp_path, faces, command):
+    """The command that reads the doctored FSDP checkpoint `step` of `run`: consolidate it, or resume the run."""
+    reseal(step)
+    if command == "consolidate":
+        return ["consolidate", step, tmp_path / "out.safetensors"]
+    return _resume(run, faces, 2, "--fsdp")
 
 
 def _plant_dcp(command):
@@ -242,11 +254,7 @@ def _plant_dcp(command):
         meta = restricted_load(f, _dcp_globals())
         meta.planner_data = {"vtrain_test_payload": obj}
         f.write_bytes(pickle.dumps(meta))
-        reseal(step)
-        if command == "consolidate":
-            return f, ["consolidate", step, tmp_path / "out.safetensors"]
-        return f, ["train", "--data", faces, "--output-dir", run, *ARGS, "--max-steps", "2", "--resume", "auto",
-                   "--fsdp"]
+        return f, _read_dcp(run, step, tmp_path, faces, command)
     return plant
 
 
@@ -272,11 +280,7 @@ def _plant_dcp_item(fqn, command):
             f.write(blob.getvalue())
         meta.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(blob.getvalue()))
         (folder / ".metadata").write_bytes(pickle.dumps(meta))
-        reseal(step)
-        if command == "consolidate":
-            return folder, ["consolidate", step, tmp_path / "out.safetensors"]
-        return folder, ["train", "--data", faces, "--output-dir", run, *ARGS, "--max-steps", "2", "--resume", "auto",
-                        "--fsdp"]
+        return folder, _read_dcp(run, step, tmp_path, faces, command)
     return plant
 
 

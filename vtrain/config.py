@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from vtrain.ds_json import check_structure
 from vtrain.errors import ConfigError
 
 TASKS = ("metric", "dino")
@@ -243,8 +244,6 @@ class ParallelConfig:
                 raise ConfigError(f"--ds-config: {self.ds_config} is not valid JSON ({e})") from None
             # the JSON's own structure is checked now (a pure function of the file, no DeepSpeed import), so a
             # typo there is one line before start-up; the values vtrain owns are filled in at launch (plan.py)
-            from vtrain.engine.ds_config import check_structure
-
             check_structure(raw, self.ds_config)
             _check(not self.fsdp, "--fsdp", "cannot be combined with --ds-config (choose DeepSpeed or FSDP)")
 

@@ -103,6 +103,29 @@ def ensure_demo_faces(seed: int = 0) -> Path:
 PACK_FOLDS, PACK_PAIRS_PER_FOLD = 10, 30  # LFW's layout: 10 folds of 300 genuine then 300 impostor pairs, scaled
 
 
+def verification_pairs(samples: list[tuple[str, int]], folds: int, pairs_per_fold: int,
+                       rng: np.random.Generator) -> tuple[list[bytes], list[bool]]:
+    """Pairs for a verification pack over (path, label) samples, in LFW's layout: per fold `pairs_per_fold`
+    genuine pairs (two distinct images of one random identity) then as many impostor pairs (one image each of
+    two distinct random identities). Returns the image bytes (two per pair) and the same-identity flags, as
+    `write_bin` takes them."""
+    by_id: dict[int, list[str]] = {}
+    for p, label in samples:
+        by_id.setdefault(label, []).append(p)
+    images, same = [], []
+    for _ in range(folds):
+        for genuine in (True, False):
+            for _ in range(pairs_per_fold):
+                if genuine:
+                    a, b = rng.choice(by_id[int(rng.integers(len(by_id)))], 2, replace=False)
+                else:
+                    i, j = rng.choice(len(by_id), 2, replace=False)
+                    a, b = rng.choice(by_id[int(i)]), rng.choice(by_id[int(j)])
+                images += [Path(a).read_bytes(), Path(b).read_bytes()]
+                same.append(genuine)
+    return images, same
+
+
 def ensure_demo_faces_rec(seed: int = 0) -> Path:
     """The demo set as users have it at scale: the training identities packed into an insightface RecordIO set
     (train.rec, train.idx, property; the same JPEG bytes in FaceFolder's order, so training from it matches
@@ -121,21 +144,8 @@ def ensure_demo_faces_rec(seed: int = 0) -> Path:
         write_face_rec(tmp, [(Path(p).read_bytes(), label) for p, label in train.samples], train.num_classes, SIZE)
         shutil.copytree(src / "val", tmp / "val")
         val = FaceFolder(src / "val", SIZE, train=False)
-        by_id: dict[int, list[str]] = {}
-        for p, label in val.samples:
-            by_id.setdefault(label, []).append(p)
         rng = np.random.default_rng([seed, 7])
-        images, same = [], []
-        for _ in range(PACK_FOLDS):
-            for genuine in (True, False):
-                for _ in range(PACK_PAIRS_PER_FOLD):
-                    if genuine:
-                        a, b = rng.choice(by_id[int(rng.integers(len(by_id)))], 2, replace=False)
-                    else:
-                        i, j = rng.choice(len(by_id), 2, replace=False)
-                        a, b = rng.choice(by_id[int(i)]), rng.choice(by_id[int(j)])
-                    images += [Path(a).read_bytes(), Path(b).read_bytes()]
-                    same.append(genuine)
+        images, same = verification_pairs(val.samples, PACK_FOLDS, PACK_PAIRS_PER_FOLD, rng)
         write_bin(tmp / "heldout.bin", images, same)
 
     return cached_dir(f"demo_faces_rec_v{VERSION}_s{seed}", write)

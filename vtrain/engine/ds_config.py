@@ -12,51 +12,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from vtrain.ds_json import check_structure, enabled
 from vtrain.errors import ConfigError
 
 
 def _is_auto(v: Any) -> bool:
     return v is None or v == "auto"
-
-
-def _enabled(section: Any) -> Any:
-    return section.get("enabled", "auto") if isinstance(section, dict) else "auto"
-
-
-def check_structure(raw: Any, source: str) -> None:
-    """The checks that need nothing but the JSON (types, stage, offload devices, sections vtrain owns), so that
-    config validation can run them before start-up; fill_ds_config runs them again."""
-    def fail(msg: str) -> None:
-        raise ConfigError(f"--ds-config {source}: {msg}")
-
-    if not isinstance(raw, dict):
-        fail("top level must be a JSON object")
-    for key in ("optimizer", "scheduler"):
-        if key in raw:
-            fail(f"remove the '{key}' section; vtrain builds AdamW and the LR schedule from "
-                 "--lr/--weight-decay/--warmup-steps (one owner per knob)")
-    for key in ("bf16", "fp16", "torch_autocast"):
-        section = raw.get(key)
-        if section is not None and not isinstance(section, dict):
-            fail(f'{key} must be an object like {{"enabled": true}}, got {section!r}')
-        if isinstance(section, dict) and section.get("enabled", "auto") not in (True, False, "auto"):
-            fail(f"{key}.enabled must be true, false or \"auto\", got {section['enabled']!r}")
-    if _enabled(raw.get("bf16")) is True and _enabled(raw.get("fp16")) is True:
-        fail("bf16 and fp16 cannot both be enabled")
-    zero = raw.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        fail("zero_optimization must be an object")
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        fail(f"zero_optimization.stage must be 0-3, got {stage!r}")
-    for key in ("offload_optimizer", "offload_param"):
-        section = zero.get(key) or {}
-        if not isinstance(section, dict):
-            fail(f'zero_optimization.{key} must be an object like {{"device": "cpu"}}, got {section!r}')
-        if section.get("device", "none") not in ("none", "cpu", "nvme"):
-            fail(f"zero_optimization.{key}.device must be none/cpu/nvme, got {section['device']!r}")
-    if (zero.get("offload_param") or {}).get("device", "none") != "none" and stage != 3:
-        fail(f"offload_param needs zero_optimization.stage 3 (got {stage})")
 
 
 def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_accum: int, world_size: int,
@@ -81,7 +42,7 @@ def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_ac
     off_opt, off_par = ((zero.get(key) or {}).get("device", "none") != "none"
                         for key in ("offload_optimizer", "offload_param"))
 
-    bf16, fp16 = _enabled(ds.get("bf16")), _enabled(ds.get("fp16"))
+    bf16, fp16 = enabled(ds.get("bf16")), enabled(ds.get("fp16"))
     explicit = [name for name, v in (("bf16", bf16), ("fp16", fp16)) if v is True]
     autocast_cfg = ds.get("torch_autocast", {})
     if explicit:  # the user asked for DeepSpeed's own full low-precision mode: respect it
@@ -90,7 +51,7 @@ def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_ac
             raise ConfigError(f"--ds-config {source}: {mode}.enabled=true contradicts --mixed-precision {precision}")
         precision = mode
         ds.setdefault("torch_autocast", {})["enabled"] = False
-    elif _enabled(autocast_cfg) is True:
+    elif enabled(autocast_cfg) is True:
         mode = "torch_autocast"
         dtype = autocast_cfg.get("dtype", "bfloat16")
         precision = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16"}.get(dtype, "bf16")

@@ -46,11 +46,30 @@ def _row_sum(x):
 
 
 @triton.jit
-def _sample_setup(loc_ptr, attn_ptr, k, qmask, h, w, start, MD, d, dmask):
-    """One (level, point) for a row of queries: its attention weight, the bilinear fractions in fp32 pixel
-    coordinates (align_corners=False: loc * size - 0.5), the offset of the top-left corner's D channels from
-    the (batch, head) base of value (the other corners are +MD, +w*MD, +(w+1)*MD) and the four corner masks
-    (a corner outside the map reads as zero)."""
+def _tile(Q, M, D, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's tile: batch b and head m, the flat (query, head) rows of its BLOCK_Q queries, the D channel
+    indices, their masks, and M * D (the stride of one value or output row)."""
+    pid_bm = tl.program_id(1)
+    b = (pid_bm // M).to(tl.int64)  # the batch offset in 64 bits; offsets inside one image fit in 32
+    m = pid_bm % M
+    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    d = tl.arange(0, BLOCK_D)
+    return b, m, q * M + m, q < Q, d, d < D, M * D
+
+
+@triton.jit
+def _level(meta_ptr, lvl):
+    """(H, W, start) of one level from the int32 level table (see `level_table`)."""
+    return tl.load(meta_ptr + 3 * lvl), tl.load(meta_ptr + 3 * lvl + 1), tl.load(meta_ptr + 3 * lvl + 2)
+
+
+@triton.jit
+def _corners(v_base, loc_ptr, attn_ptr, k, qmask, h, w, start, MD, d, dmask):
+    """The bilinear gather of one (level, point) for a row of queries, shared by forward and backward: its
+    attention weight, the bilinear fractions in fp32 pixel coordinates (align_corners=False: loc * size - 0.5),
+    the offset of the top-left corner's D channels from the (batch, head) base of value (the other corners are
+    +MD, +w*MD, +(w+1)*MD), the four corner masks (a corner outside the map reads as zero) and the four corner
+    rows of value in fp32, in the order top-left, top-right, bottom-left, bottom-right."""
     hf = h.to(tl.float32)
     wf = w.to(tl.float32)
     lx = tl.load(loc_ptr + 2 * k, mask=qmask, other=0.0).to(tl.float32)
@@ -70,40 +89,32 @@ def _sample_setup(loc_ptr, attn_ptr, k, qmask, h, w, start, MD, d, dmask):
     in_y1 = qmask & (y0 >= -1) & (y0 < h - 1)
     off = ((start + y0 * w + x0) * MD)[:, None] + d[None, :]
     dm = dmask[None, :]
-    return (a, x - x0f, y - y0f, off, (in_y0 & in_x0)[:, None] & dm, (in_y0 & in_x1)[:, None] & dm,
-            (in_y1 & in_x0)[:, None] & dm, (in_y1 & in_x1)[:, None] & dm)
+    m00 = (in_y0 & in_x0)[:, None] & dm
+    m10 = (in_y0 & in_x1)[:, None] & dm
+    m01 = (in_y1 & in_x0)[:, None] & dm
+    m11 = (in_y1 & in_x1)[:, None] & dm
+    p00 = v_base + off
+    v00 = tl.load(p00, mask=m00, other=0.0).to(tl.float32)
+    v10 = tl.load(p00 + MD, mask=m10, other=0.0).to(tl.float32)
+    v01 = tl.load(p00 + w * MD, mask=m01, other=0.0).to(tl.float32)
+    v11 = tl.load(p00 + (w + 1) * MD, mask=m11, other=0.0).to(tl.float32)
+    return a, x - x0f, y - y0f, off, m00, m10, m01, m11, v00, v10, v01, v11
 
 
 @triton.jit
 def _fwd_kernel(value_ptr, meta_ptr, loc_ptr, attn_ptr, out_ptr, Q, S, M, D,
                 L: tl.constexpr, P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_q = tl.program_id(0)
-    pid_bm = tl.program_id(1)
-    b = (pid_bm // M).to(tl.int64)  # the batch offset in 64 bits; offsets inside one image fit in 32
-    m = pid_bm % M
-    MD = M * D
-    q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    qmask = q < Q
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
+    b, m, row, qmask, d, dmask, MD = _tile(Q, M, D, BLOCK_Q, BLOCK_D)
     v_base = value_ptr + b * S * MD + m * D
     loc_base = loc_ptr + b * Q * M * L * P * 2
     attn_base = attn_ptr + b * Q * M * L * P
-    row = q * M + m
     acc = tl.full([BLOCK_Q, BLOCK_D], 0.0, tl.float32)
     for lvl in tl.static_range(L):
-        h = tl.load(meta_ptr + 3 * lvl)
-        w = tl.load(meta_ptr + 3 * lvl + 1)
-        start = tl.load(meta_ptr + 3 * lvl + 2)
+        h, w, start = _level(meta_ptr, lvl)
         for p in tl.static_range(P):
             k = (row * L + lvl) * P + p
-            a, fx, fy, off, m00, m10, m01, m11 = _sample_setup(loc_base, attn_base, k, qmask, h, w, start, MD, d,
-                                                               dmask)
-            p00 = v_base + off
-            v00 = tl.load(p00, mask=m00, other=0.0).to(tl.float32)
-            v10 = tl.load(p00 + MD, mask=m10, other=0.0).to(tl.float32)
-            v01 = tl.load(p00 + w * MD, mask=m01, other=0.0).to(tl.float32)
-            v11 = tl.load(p00 + (w + 1) * MD, mask=m11, other=0.0).to(tl.float32)
+            a, fx, fy, _, _, _, _, _, v00, v10, v01, v11 = _corners(v_base, loc_base, attn_base, k, qmask, h, w,
+                                                                    start, MD, d, dmask)
             gx = 1.0 - fx
             top = gx[:, None] * v00 + fx[:, None] * v10
             bottom = gx[:, None] * v01 + fx[:, None] * v11
@@ -116,37 +127,21 @@ def _fwd_kernel(value_ptr, meta_ptr, loc_ptr, attn_ptr, out_ptr, Q, S, M, D,
 def _bwd_kernel(grad_out_ptr, value_ptr, meta_ptr, loc_ptr, attn_ptr, grad_value_ptr, grad_loc_ptr,
                 grad_attn_ptr, Q, S, M, D,
                 L: tl.constexpr, P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_q = tl.program_id(0)
-    pid_bm = tl.program_id(1)
-    b = (pid_bm // M).to(tl.int64)
-    m = pid_bm % M
-    MD = M * D
-    q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    qmask = q < Q
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
+    b, m, row, qmask, d, dmask, MD = _tile(Q, M, D, BLOCK_Q, BLOCK_D)
     v_base = value_ptr + b * S * MD + m * D
     gv_base = grad_value_ptr + b * S * MD + m * D
     loc_base = loc_ptr + b * Q * M * L * P * 2
     attn_base = attn_ptr + b * Q * M * L * P
     gloc_base = grad_loc_ptr + b * Q * M * L * P * 2
     gattn_base = grad_attn_ptr + b * Q * M * L * P
-    row = q * M + m
     g = tl.load(grad_out_ptr + b * Q * MD + row[:, None] * D + d[None, :], mask=qmask[:, None] & dmask[None, :],
                 other=0.0).to(tl.float32)
     for lvl in tl.static_range(L):
-        h = tl.load(meta_ptr + 3 * lvl)
-        w = tl.load(meta_ptr + 3 * lvl + 1)
-        start = tl.load(meta_ptr + 3 * lvl + 2)
+        h, w, start = _level(meta_ptr, lvl)
         for p in tl.static_range(P):
             k = (row * L + lvl) * P + p
-            a, fx, fy, off, m00, m10, m01, m11 = _sample_setup(loc_base, attn_base, k, qmask, h, w, start, MD, d,
-                                                               dmask)
-            p00 = v_base + off
-            v00 = tl.load(p00, mask=m00, other=0.0).to(tl.float32)
-            v10 = tl.load(p00 + MD, mask=m10, other=0.0).to(tl.float32)
-            v01 = tl.load(p00 + w * MD, mask=m01, other=0.0).to(tl.float32)
-            v11 = tl.load(p00 + (w + 1) * MD, mask=m11, other=0.0).to(tl.float32)
+            a, fx, fy, off, m00, m10, m01, m11, v00, v10, v01, v11 = _corners(v_base, loc_base, attn_base, k, qmask,
+                                                                              h, w, start, MD, d, dmask)
             gx = 1.0 - fx
             gy = 1.0 - fy
             top = gx[:, None] * v00 + fx[:, None] * v10
