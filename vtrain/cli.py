@@ -42,7 +42,7 @@ def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
         "parallel": ("mixed_precision", "ds_config", "fsdp"),
         "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
                   "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
-                  "overwrite_output_dir"),
+                  "overwrite_output_dir", "ema_decay", "ema_warmup", "keep_best", "report_to"),
     }
     out: dict[str, dict[str, Any]] = {s: {} for s in sections}
     for section, names in sections.items():
@@ -115,6 +115,15 @@ def train(
         help="Share of the target's tensors a --pretrained file must fill (default 0.9)")] = None,
     allow_partial_pretrained: Annotated[Optional[bool], typer.Option(
         "--allow-partial-pretrained", help="Load whatever tensors of --pretrained match, however few")] = None,
+    ema_decay: Annotated[Optional[float], typer.Option(
+        help="EMA of the weights with this decay, e.g. 0.9998 (0: off); eval and consolidate use it")] = None,
+    ema_warmup: Annotated[Optional[int], typer.Option(
+        help="EMA decay warm-up TAU steps: decay x (1 - exp(-step/TAU)) (detrex/YOLOX: 2000; 0: off)")] = None,
+    keep_best: Annotated[Optional[str], typer.Option(
+        help="Keep the best checkpoint by this eval metric (AP, tar@far=1e-3, acc; METRIC:min if lower is "
+        "better) outside --keep-last; recorded in checkpoints/best.json")] = None,
+    report_to: Annotated[Optional[str], typer.Option(
+        help="none, tensorboard (<output-dir>/tensorboard) or wandb: every logged number as a curve")] = None,
 ) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
     from vtrain.engine.interrupt import GracefulInterrupt
@@ -144,15 +153,23 @@ def evaluate(
     batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
     save_predictions: Annotated[Optional[str], typer.Option(help="Detection: write COCO results JSON here")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
+    best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
+    weights: Annotated[Optional[str], typer.Option(
+        help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
 ) -> None:
     """Evaluate a checkpoint: face verification (TAR@FAR, best accuracy) or COCO box AP."""
     from vtrain.engine.logging import console
     from vtrain.eval.run import evaluate_checkpoint
 
+    if best:
+        from vtrain.engine.best import best_checkpoint
+
+        checkpoint = best_checkpoint(checkpoint, "--checkpoint")
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_ann": val_ann, "val_images": val_images}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
-                                            save_predictions)
-    console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint}"))
+                                            save_predictions, weights)
+    console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint} ({metrics['weights']} "
+                                                        "weights)"))
     if save_predictions:
         console.print(f"wrote {save_predictions}", soft_wrap=True)
     if as_json:
@@ -169,6 +186,9 @@ def consolidate_cmd(
     check_model: Annotated[bool, typer.Option(help="Load the result strictly into the model of config.yaml")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
+    best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
+    weights: Annotated[Optional[str], typer.Option(
+        help="ema or model (default: ema when the vtrain checkpoint has EMA weights)")] = None,
 ) -> None:
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
     import torch
@@ -180,8 +200,12 @@ def consolidate_cmd(
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in dtypes:
         raise VtrainError(f"--dtype: choose one of {', '.join(dtypes)}")
+    if best:
+        from vtrain.engine.best import best_checkpoint
+
+        ckpt = best_checkpoint(ckpt, "CKPT")
     report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
-                         overwrite)
+                         overwrite, weights)
     console.print(f"found: {report.source.description}", soft_wrap=True)
     console.print(f"{report.tensors} tensors, {report.numel:,} elements", soft_wrap=True)
     if verbose:

@@ -1,4 +1,5 @@
-"""`vtrain eval`: rebuild the model from a checkpoint's config.yaml and its fp32 model.safetensors, evaluate."""
+"""`vtrain eval`: rebuild the model from a checkpoint's config.yaml and its fp32 weights (the EMA weights when the run
+kept them, else model.safetensors), evaluate."""
 
 from __future__ import annotations
 
@@ -11,19 +12,22 @@ from safetensors.torch import load_file
 
 from vtrain.config import DataConfig, load_run_config, replace
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.ema import weights_file
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict
 from vtrain.tasks import build_task, model_for_weights
 
 
 def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int | None = None,
-                        task_name: str | None = None, save_predictions: str | None = None) -> tuple[Any, dict]:
-    """Returns (task, metrics). `data` holds DataConfig overrides (path, val_path, pairs_file, val_ann, ...);
-    unset values fall back to the data the run was trained on."""
+                        task_name: str | None = None, save_predictions: str | None = None,
+                        weights_choice: str | None = None) -> tuple[Any, dict]:
+    """Returns (task, metrics); metrics["weights"] says which weights were evaluated (ema | model). `data` holds
+    DataConfig overrides (path, val_path, pairs_file, val_ann, ...); unset values fall back to the data the run was
+    trained on. `weights_choice`: ema, model or None (EMA when present)."""
     path = ckpt.find_verified(checkpoint, "--checkpoint")
-    weights = path / "model.safetensors"
+    weights, used = weights_file(path, weights_choice)
     if not weights.is_file():
-        raise VtrainError(f"--checkpoint: {path} has no model.safetensors")
+        raise VtrainError(f"--checkpoint: {path} has no {weights.name}")
     cfg = load_run_config(path / "config.yaml")
     if task_name is not None and task_name != cfg.task:
         raise VtrainError(f"--task {task_name}: {path} is a {cfg.task} checkpoint")
@@ -45,4 +49,5 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
         hint = "--val-ann and --val-images (or --data with annotations/instances_val2017.json)" if cfg.task == "dino" \
             else "--val-data (held-out identities) or --pairs"
         raise VtrainError(f"nothing to evaluate on: give {hint}")
+    metrics["weights"] = used
     return task, metrics
