@@ -165,6 +165,7 @@ def evaluate(
         from vtrain.engine.best import best_checkpoint
 
         checkpoint = best_checkpoint(checkpoint, "--checkpoint")
+        console.print(f"best checkpoint: {checkpoint}", soft_wrap=True)
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_ann": val_ann, "val_images": val_images}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
                                             save_predictions, weights)
@@ -200,12 +201,8 @@ def consolidate_cmd(
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in dtypes:
         raise VtrainError(f"--dtype: choose one of {', '.join(dtypes)}")
-    if best:
-        from vtrain.engine.best import best_checkpoint
-
-        ckpt = best_checkpoint(ckpt, "CKPT")
     report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
-                         overwrite, weights)
+                         overwrite, weights, best)
     console.print(f"found: {report.source.description}", soft_wrap=True)
     console.print(f"{report.tensors} tensors, {report.numel:,} elements", soft_wrap=True)
     if verbose:

@@ -322,11 +322,13 @@ def parse_size(text: str | None) -> int | None:
 
 def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,
                 max_shard_size: int | None = None, allow_nonfinite: bool = False,
-                check_model: bool = False, overwrite: bool = False, weights: str | None = None) -> Report:
+                check_model: bool = False, overwrite: bool = False, weights: str | None = None,
+                best: bool = False) -> Report:
     """Stream `path` into `out` (.safetensors or .pt, sharded above max_shard_size), scanning every tensor
     for inf/NaN. safetensors output is written tensor by tensor as each is completed (RAM holds one tensor plus
     the reader's memory-mapped pages; `.pt` output needs the whole dict once). Nothing appears at OUT when
-    non-finite values are found (unless allowed) or the model check fails; otherwise OUT appears complete."""
+    non-finite values are found (unless allowed) or the model check fails; otherwise OUT appears complete.
+    `best`: `path` is a run directory whose checkpoints/best.json (--keep-best) names the checkpoint."""
     out = Path(out)
     if out.suffix not in (".safetensors", ".pt", ".bin"):
         raise VtrainError(f"OUT must end in .safetensors or .pt, got {out.name}")
@@ -336,6 +338,10 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
     if existing and not overwrite:
         raise VtrainError(f"OUT {existing[0]} exists; --overwrite replaces it")
     enforce_weights_only()  # DeepSpeed's checkpoint files hold its own types (safeio.py)
+    if best:
+        from vtrain.engine.best import best_checkpoint
+
+        path = best_checkpoint(path, "CKPT")
     src = detect(path, weights)
     report = Report(src)
     out.parent.mkdir(parents=True, exist_ok=True)
