@@ -55,6 +55,11 @@ class WeightEMA:
             return p.to_local()
         return p.data
 
+    def local_fraction(self) -> float:
+        """Share of the averaged parameters' elements this rank holds (1/N under FSDP2 and ZeRO-3), for run_info."""
+        total = sum(p.ds_numel if self.zero3 else p.numel() for _, p in self.params)
+        return sum(e.numel() for e in self.ema) / max(total, 1)
+
     def current_decay(self) -> float:
         if self.warmup > 0:
             return self.decay * (1.0 - math.exp(-self.updates / self.warmup))

@@ -558,6 +558,8 @@ class Trainer:
     def _write_run_info(self) -> None:
         """What is really active on every rank (read from live objects), for users and tests."""
         mine = {**self.active, "first_batch_indices": self._first_batch_indices}
+        if self.ema is not None:
+            mine["ema_local_fraction"] = self.ema.local_fraction()
         infos = [None] * self.world
         if self.world > 1:
             dist.all_gather_object(infos, mine)
