@@ -157,44 +157,30 @@ class WeightEMA:
     def swapped(self) -> Iterator[None]:
         """Run the model with the EMA weights inside the block; the training weights come back bit for bit.
         Tensors are exchanged one at a time (one temporary of the largest local tensor). Collective under ZeRO-3."""
-        self._swap()
-        restore_full = self._swap_zero3_gathered()
+        self._exchange()
         try:
             yield
         finally:
-            for p, data in restore_full:
-                p.data.copy_(data)
-            self._swap()
+            self._exchange()
 
     @torch.no_grad()
-    def _swap(self) -> None:
+    def _exchange(self) -> None:
+        if self.zero3:
+            # A gathered ZeRO-3 parameter's forward reads its full `p.data`, not the partition exchanged below:
+            # the small "persistent" ones (below stage3_param_persistence_threshold) stay gathered between steps,
+            # others may still be after a forward. Release them all (DeepSpeed's public empty_partition_cache;
+            # the partitions already hold the values) so every forward gathers from the partitions.
+            self.engine.model.empty_partition_cache()
         for e, (_, p) in zip(self.ema, self.params):
             live = self._local(p)
             tmp = live.detach().clone()
             live.copy_(e)
             e.copy_(tmp)
-
-    @torch.no_grad()
-    def _swap_zero3_gathered(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """ZeRO-3 keeps small ("persistent", below stage3_param_persistence_threshold) parameters gathered
-        between steps: their forward reads `p.data`, not the partition swapped above. Gather those from the
-        (now swapped-in) partitions and write them into `p.data`; return the training values to restore."""
-        if not self.zero3:
-            return []
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-        restore = []
-        for i, (_, p) in enumerate(self.params):
-            if p.ds_status != ZeroParamStatus.AVAILABLE:
-                continue
-            group = getattr(p, "ds_process_group", None)
-            part = p.ds_tensor.to(self.engine.device)
-            parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, part, group=group)
-            restore.append((p, p.data.detach().clone()))
-            p.data.copy_(torch.cat(parts)[: p.ds_numel].view(p.ds_shape).to(p.data.device))
-        return restore
-
+        if self.zero3:
+            # as DeepSpeed does after every step: persistent parameters gathered again, now from the new partitions
+            persistent = self.engine.model.optimizer.persistent_parameters
+            if persistent:
+                persistent[0].all_gather(persistent)
 
 def weights_file(checkpoint: Path, weights: str | None, flag: str = "--weights") -> tuple[Path, str]:
     """For eval / consolidate of a vtrain checkpoint: (file, "ema" | "model"). Default: the EMA weights when the
