@@ -93,3 +93,15 @@ def reseal(checkpoint: Path) -> None:
     manifest = json.loads((checkpoint / ckpt.COMPLETE).read_text())
     manifest["files"] = ckpt.digest_share(checkpoint, ckpt.payload_files(checkpoint))
     (checkpoint / ckpt.COMPLETE).write_text(json.dumps(manifest))
+
+
+def faces_dataset(tree: Path):
+    """An identity tree (`faces`) as a Hugging Face `Dataset` with `image` (the same JPEG bytes) + `label` columns."""
+    from datasets import ClassLabel, Dataset, Features, Image
+
+    from vtrain.data.faces import FaceFolder
+
+    folder = FaceFolder(tree, 112, train=False)
+    return Dataset.from_dict({"image": [{"bytes": Path(p).read_bytes(), "path": None} for p, _ in folder.samples],
+                              "label": [t for _, t in folder.samples]},
+                             features=Features({"image": Image(), "label": ClassLabel(names=folder.classes)}))

@@ -52,21 +52,23 @@ def test_ms_deform_attn_matches_reference_loop():
     torch.testing.assert_close(out.double(), ref.reshape(b, q, heads * dim), atol=1e-5, rtol=1e-5)
 
 
-def test_ms_deform_attn_stays_fp32_under_autocast():
+def test_ms_deform_attn_computes_in_fp32_and_returns_value_dtype_under_autocast():
+    """No fp32 island around the op: it takes a bf16 value under autocast, computes in fp32 and rounds once."""
     torch.manual_seed(0)
     attn = MSDeformAttn(dim=16, levels=2, heads=2, points=2)
     shapes = [(4, 4), (2, 2)]
     value = torch.randn(1, 20, 16)
     query = torch.randn(1, 5, 16)
     ref = torch.rand(1, 5, 2, 2)
-    v = attn.value_proj(value).view(1, 20, 2, 8)
+    v = attn.value_proj(value).view(1, 20, 2, 8).detach()
     loc = torch.rand(1, 5, 2, 2, 2, 2)
     w = torch.softmax(torch.randn(1, 5, 2, 4), -1).view(1, 5, 2, 2, 2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = ms_deform_attn(v.bfloat16(), shapes, loc.bfloat16(), w.bfloat16())
+        low = ms_deform_attn(v.bfloat16(), shapes, loc, w)
         out = attn(query, ref, value, shapes)
-    assert low.dtype == torch.float32  # the kernel computes in fp32 whatever it is given
-    assert out.shape == (1, 5, 16) and torch.isfinite(out).all()
+    assert low.dtype == torch.bfloat16
+    assert torch.equal(low, ms_deform_attn(v.bfloat16().float(), shapes, loc, w).bfloat16())
+    assert out.shape == (1, 5, 16) and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 
 # ---- denoising ------------------------------------------------------------------------------------------------

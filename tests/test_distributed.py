@@ -3,9 +3,9 @@
 Each test asserts what is really active from inside the run (run_info.json is written from the live objects
 on every rank), that ranks saw disjoint samples and only rank 0 wrote files, that the loss goes down, that
 accumulation 2 x batch b equals 1 x batch 2b, and that a hard-killed run resumed from its last checkpoint
-ends with the same weights as an uninterrupted one. The EMA of the weights (--ema-decay) rides along: sharded like the
-parameters under FSDP2 and ZeRO-3, equal to the uninterrupted run's after a resume on the same or another number
-of processes.
+ends with the same weights as an uninterrupted one (for DDP, after a SIGTERM that reached one rank first). The EMA
+of the weights (--ema-decay) rides along: sharded like the parameters under FSDP2 and ZeRO-3, equal to the
+uninterrupted run's after a resume on the same or another number of processes.
 """
 
 import pytest
@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, final_weights, launch, metrics, ok, run_info, vtrain
-from vtrain.engine.checkpoint import complete_checkpoints
+from vtrain.engine.checkpoint import complete_checkpoints, verify
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +131,22 @@ def test_engine_trains_resumes_and_accumulates_correctly(engine, faces, tmp_path
         ok(_run(engine, full, faces, *args, "--eval-every", "2"))
         _assert_eval_used_ema(full)
     crashed = tmp_path / "crashed"
-    proc = _run(engine, crashed, faces, *args, extra_env={"VTRAIN_DEBUG_CRASH_AT_STEP": "5"})
+    resume = []
+    if engine == "ddp":
+        # preemption (interrupt.py): only rank 1 gets SIGTERM, while training step 3; both ranks finish step 3,
+        # write its checkpoint together and stop. The crashed run below then starts from that checkpoint.
+        proc = _run(engine, crashed, faces, *args, extra_env={"VTRAIN_DEBUG_SIGNAL_AT_STEP": "3@1"})
+        assert proc.returncode != 0  # each rank exits 143; the launcher reports a failed job
+        assert proc.stderr.count("received SIGTERM") == 1  # (torchrun adds its own traceback of a failed job)
+        step3 = crashed / "checkpoints" / "step_3"
+        assert f"interrupted at step 3 (SIGTERM); checkpoint written to {step3}; continue with --resume auto" \
+            in proc.stderr
+        assert [p.name for p in complete_checkpoints(crashed)] == ["step_2", "step_3"] and verify(step3) is None
+        assert {p.name for p in (step3 / "accelerate").glob("random_states_*.pkl")} == \
+            {"random_states_0.pkl", "random_states_1.pkl"}  # rank 1 saved at step 3 too
+        assert metrics(crashed)[-1]["step"] == 3
+        resume = ["--resume", "auto"]
+    proc = _run(engine, crashed, faces, *args, *resume, extra_env={"VTRAIN_DEBUG_CRASH_AT_STEP": "5"})
     assert proc.returncode != 0
     assert [p.name for p in complete_checkpoints(crashed)][-1] == "step_4"
     ok(_run(engine, crashed, faces, *args, "--resume", "auto"))

@@ -1,4 +1,4 @@
-"""`vtrain estimate-memory`: the fake-tensor trace against a real run measured by torch's MemTracker, model
+"""`vtrain estimate-memory`: the fake-tensor trace against a real run measured by the CPU allocator, model
 states against DeepSpeed's own estimators, and the command."""
 
 from __future__ import annotations
@@ -8,9 +8,12 @@ import json
 
 import pytest
 
+import torch
+
 from conftest import ok, vtrain
-from vtrain.engine.memory import (Setup, allocator_peak, deepspeed_reference, model_facts,
-                                  estimate, max_batch_that_fits, model_state_bytes, trace_step)
+from test_msda import interpret  # noqa: F401 (fixture: the Triton kernels under the interpreter)
+from vtrain.engine.memory import (LiveBytes, Setup, allocator_peak, deepspeed_reference, model_facts,
+                                  estimate, max_batch_that_fits, model_state_bytes, profiled_peak, trace_step)
 
 
 CASES = [("dino", "debug", (128, 160), 2), ("metric", "debug", (112, 112), 8)]
@@ -41,13 +44,56 @@ def test_checkpointing_and_amp_move_the_traced_peak_the_right_way():
 def test_cuda_policy_keeps_norms_and_softmax_fp32_under_bf16():
     """CUDA autocast runs layer_norm/softmax in fp32 where CPU autocast stays bf16 (memory_ckpt.md §1.3): the
     CUDA-policy trace holds more activation bytes than the CPU one (DINO: GroupNorm on bf16 conv outputs, the
-    norms after deformable attention). On a ResNet backbone: the CUDA policy also traces Swin's biased SDPA through
-    the memory-efficient kernel, which keeps less than CPU's math kernel (swin_attention.py), a separate effect."""
+    norms after deformable attention). On a ResNet backbone with the same deformable-attention kernel on both sides:
+    the CUDA policy also traces Swin's biased SDPA through the memory-efficient kernel, which keeps less than CPU's
+    math kernel (swin_attention.py), a separate effect."""
     s = Setup(task="dino", preset="debug-resnet", image_size=(128, 160), batch_size=2, precision="bf16", num_classes=5,
-              num_targets=3)
+              num_targets=3, msda_impl="triton")
     cuda = trace_step(s)["Activation"]
     cpu = trace_step(dataclasses.replace(s, autocast_policy="cpu"))["Activation"]
     assert cuda > 1.05 * cpu
+
+
+def test_gpu_estimate_traces_the_fused_deformable_attention():
+    """A GPU run calls the fused op, so the CUDA-policy trace does too (its fake kernel), not the grid_sample
+    path that keeps every sampled value for backward."""
+    s = Setup(task="dino", preset="debug", image_size=(128, 160), batch_size=2, precision="bf16", num_classes=5,
+              num_targets=3)
+    assert s.resolved_msda_impl() == "triton"
+    fused = trace_step(s)["Activation"]
+    assert trace_step(dataclasses.replace(s, msda_impl="pytorch"))["Activation"] > 1.2 * fused
+    assert "fused Triton op" in estimate(s, trace={"Activation": fused, "Peak": fused}).notes[0]
+
+
+def test_traced_deformable_attention_matches_what_it_allocates(interpret):
+    """The fake-tensor trace of one deformable-attention forward + backward (bf16 value, fp32 locations and
+    weights, as in DINO under autocast) against the CPU allocator during the real op. For the fused op the
+    Triton interpreter runs the same launchers as a GPU (output, fp32 value-gradient accumulator, its cast);
+    it must need far less than the grid_sample path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vtrain.models.dino.msda import ms_deform_attn
+
+    shapes = [(16, 24), (8, 12), (4, 6)]
+    s = sum(h * w for h, w in shapes)
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(2, s, 2, 16, generator=g).bfloat16(), torch.rand(2, s, 2, 3, 2, 2, generator=g),
+              torch.rand(2, s, 2, 3, 2, generator=g))
+    traced = {}
+    for impl in ("pytorch", "triton"):
+        def step(value, loc, attn):
+            ms_deform_attn(value, shapes, loc, attn, impl=impl).float().sum().backward()
+
+        real_inputs = [t.clone().requires_grad_() for t in inputs]
+        real = profiled_peak(lambda: step(*real_inputs))
+        with FakeTensorMode() as mode:
+            fake_inputs = [mode.from_tensor(t).requires_grad_() for t in inputs]
+            tracker = LiveBytes(fake_inputs)
+            with tracker:
+                step(*fake_inputs)
+        traced[impl] = tracker.peak(set())
+        assert abs(traced[impl] - real) <= 0.02 * real, (impl, traced[impl], real)
+    assert traced["triton"] < 0.4 * traced["pytorch"], traced
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])

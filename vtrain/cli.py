@@ -30,22 +30,25 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
+# config fields that have a flag of their own, per section (the others are set in a --config file only)
+FLAG_SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
+              "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
+              "allow_partial_pretrained"),
+    "data": ("path", "num_workers", "val_path", "pairs_file", "val_targets", "train_ann", "train_images", "val_ann",
+             "val_images", "max_size", "skip_bad_images"),
+    "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad", "layer_decay"),
+    "parallel": ("mixed_precision", "ds_config", "fsdp"),
+    "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
+              "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
+              "overwrite_output_dir", "ema_decay", "ema_warmup", "keep_best", "report_to"),
+}
+
+
 def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
     """Map flat CLI flags to config sections; unset flags (None) do not override the YAML file."""
-    sections = {
-        "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
-                  "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
-                  "allow_partial_pretrained"),
-        "data": ("path", "num_workers", "val_path", "pairs_file", "train_ann", "train_images", "val_ann", "val_images",
-                 "max_size", "skip_bad_images"),
-        "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad", "layer_decay"),
-        "parallel": ("mixed_precision", "ds_config", "fsdp"),
-        "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
-                  "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
-                  "overwrite_output_dir", "ema_decay", "ema_warmup", "keep_best", "report_to"),
-    }
-    out: dict[str, dict[str, Any]] = {s: {} for s in sections}
-    for section, names in sections.items():
+    out: dict[str, dict[str, Any]] = {s: {} for s in FLAG_SECTIONS}
+    for section, names in FLAG_SECTIONS.items():
         for n in names:
             v = flags.get(n)
             if isinstance(v, Enum):
@@ -59,7 +62,8 @@ def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
 def train(
     task: Annotated[Optional[Task], typer.Option(help="metric (face recognition) or dino (detection)")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Backbone preset (see `vtrain presets`)")] = None,
-    data: Annotated[Optional[str], typer.Option(help="Data directory or `demo` (built-in synthetic data)")] = None,
+    data: Annotated[Optional[str], typer.Option(
+        help="Data directory (RecordIO train.rec/.idx or identity folders) or `demo` (built-in data)")] = None,
     output_dir: Annotated[Optional[str], typer.Option(help="Run directory (config, logs, checkpoints)")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Epochs (ignored when --max-steps is set)")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train")] = None,
@@ -98,6 +102,9 @@ def train(
     num_workers: Annotated[Optional[int], typer.Option(help="Data loader workers per process")] = None,
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out identity tree")] = None,
     pairs: Annotated[Optional[str], typer.Option("--pairs", help="Verification pairs file")] = None,
+    val_targets: Annotated[Optional[str], typer.Option(
+        help="Metric: verification .bin packs, e.g. lfw,agedb_30 (<data>/NAME.bin) or paths; default: *.bin beside "
+             "train.rec")] = None,
     max_nonfinite: Annotated[Optional[int], typer.Option(help="Stop after N consecutive non-finite steps")] = None,
     train_ann: Annotated[Optional[str], typer.Option(help="Detection: COCO train annotation JSON")] = None,
     train_images: Annotated[Optional[str], typer.Option(help="Detection: train image folder")] = None,
@@ -145,19 +152,24 @@ def train(
 def evaluate(
     checkpoint: Annotated[Path, typer.Option(help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
     task: Annotated[Optional[Task], typer.Option(help="Expected task (checked against the checkpoint)")] = None,
-    data: Annotated[Optional[str], typer.Option(help="Data directory or `demo`; default: the run's data")] = None,
+    data: Annotated[Optional[str], typer.Option(
+        help="Data directory, a verification .bin pack, or `demo`; default: the run's data")] = None,
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Metric: held-out identity tree")] = None,
     pairs: Annotated[Optional[str], typer.Option("--pairs", help="Metric: verification pairs file")] = None,
+    val_targets: Annotated[Optional[str], typer.Option(
+        help="Metric: verification .bin packs (NAME = <data>/NAME.bin, or paths)")] = None,
     val_ann: Annotated[Optional[str], typer.Option(help="Detection: COCO annotation JSON to evaluate on")] = None,
     val_images: Annotated[Optional[str], typer.Option(help="Detection: its image folder")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
     save_predictions: Annotated[Optional[str], typer.Option(help="Detection: write COCO results JSON here")] = None,
+    classwise: Annotated[bool, typer.Option(help="Detection: AP per category (a table, and in --json)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
     best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
     weights: Annotated[Optional[str], typer.Option(
         help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
 ) -> None:
-    """Evaluate a checkpoint: face verification (TAR@FAR, best accuracy) or COCO box AP."""
+    """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
+    box AP."""
     from vtrain.engine.logging import console
     from vtrain.eval.run import evaluate_checkpoint
 
@@ -166,15 +178,52 @@ def evaluate(
 
         checkpoint = best_checkpoint(checkpoint, "--checkpoint")
         console.print(f"best checkpoint: {checkpoint}", soft_wrap=True)
-    overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_ann": val_ann, "val_images": val_images}
+    overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
+                 "val_ann": val_ann, "val_images": val_images}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
                                             save_predictions, weights)
+    if classwise and "per_class" not in metrics:
+        raise VtrainError("--classwise: only for detection checkpoints")
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint} ({metrics['weights']} "
                                                         "weights)"))
+    if classwise:
+        console.print(run_task.classwise_table(metrics))
     if save_predictions:
         console.print(f"wrote {save_predictions}", soft_wrap=True)
-    if as_json:
-        print(json.dumps({k: v for k, v in metrics.items() if k != "rows"}))
+    if as_json:  # per-category numbers only when asked for (eval.jsonl of a training run always keeps them)
+        hidden = ("rows",) if classwise else ("rows", "per_class")
+        print(json.dumps({k: v for k, v in metrics.items() if k not in hidden}))
+
+
+@app.command()
+def predict(
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
+    images: Annotated[list[str], typer.Option(
+        help="Image file, folder (searched at any depth) or quoted glob pattern; repeat for more")],
+    out: Annotated[Path, typer.Option(help="Detection: output folder; metric: the .safetensors file to write")],
+    task: Annotated[Optional[Task], typer.Option(help="Expected task (default: the checkpoint's)")] = None,
+    score_threshold: Annotated[float, typer.Option(help="Detection: draw and keep boxes scoring at least this")] = 0.3,
+    batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
+    ann: Annotated[Optional[str], typer.Option(
+        help="Detection: COCO annotation JSON whose file_names give the image ids (default: 1..N)")] = None,
+    num_workers: Annotated[int, typer.Option(help="Image decoding workers")] = 2,
+) -> None:
+    """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
+    from vtrain.engine.logging import console
+    from vtrain.tools.predict import predict as run_predict
+
+    if batch_size is not None and batch_size < 1:
+        raise VtrainError("--batch-size: must be > 0")
+    if num_workers < 0:
+        raise VtrainError("--num-workers: must be >= 0")
+    report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
+                         batch_size=batch_size, ann=ann, num_workers=num_workers)
+    if report.task == "dino":
+        console.print(f"{report.images} images on {report.device}: {report.detections} boxes with score >= "
+                      f"{score_threshold}; wrote the drawn images and predictions.json to {out}", soft_wrap=True)
+    else:
+        console.print(f"{report.images} images on {report.device}: wrote {out} (embeddings; file names in its "
+                      "metadata)", soft_wrap=True)
 
 
 @app.command("consolidate")
@@ -192,6 +241,8 @@ def consolidate_cmd(
         help="ema or model (default: ema when the vtrain checkpoint has EMA weights)")] = None,
 ) -> None:
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
+    if dtype not in ("fp32", "bf16", "fp16"):  # before the imports: a typo is reported at once
+        raise VtrainError("--dtype: choose one of fp32, bf16, fp16")
     import torch
     from rich.table import Table
 
@@ -199,8 +250,6 @@ def consolidate_cmd(
     from vtrain.engine.logging import console
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if dtype not in dtypes:
-        raise VtrainError(f"--dtype: choose one of {', '.join(dtypes)}")
     report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
                          overwrite, weights, best)
     console.print(f"found: {report.source.description}", soft_wrap=True)
@@ -225,6 +274,29 @@ def consolidate_cmd(
         console.print(f"wrote {f}", soft_wrap=True)
 
 
+@app.command("export")
+def export_cmd(
+    checkpoint: Annotated[Path, typer.Argument(help="Metric run dir (newest checkpoint) or checkpoints/step_N")],
+    out: Annotated[Path, typer.Argument(help="Output file, e.g. model.onnx")],
+    opset: Annotated[int, typer.Option(help="ONNX opset (18 or newer)")] = 18,
+    verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on a random batch")] = True,
+) -> None:
+    """Export a metric model's embedding network (backbone + neck) to ONNX with a dynamic batch axis."""
+    from vtrain.engine.logging import console
+    from vtrain.tools.export import MEAN, STD, export_onnx
+
+    if opset < 18:
+        raise VtrainError(f"--opset {opset}: torch's ONNX exporter targets opset 18 or newer")
+    r = export_onnx(checkpoint, out, opset, verify)
+    console.print(f"exported {r.checkpoint} ({r.params:,} parameters) to {r.path}"
+                  + (f" + {r.path.name}.data" if r.external_data else ""), soft_wrap=True)
+    console.print(f"input `input`: float32 N x 3 x {r.image_size} x {r.image_size}, RGB, x / {MEAN} - 1 "
+                  f"(mean {MEAN}, std {STD}); output `embedding`: N x {r.embedding_dim}, not L2-normalised",
+                  soft_wrap=True)
+    if r.max_abs_diff is not None:
+        console.print(f"onnxruntime vs PyTorch (batch 3): max abs diff {r.max_abs_diff:.2e}", soft_wrap=True)
+
+
 @app.command("estimate-memory")
 def estimate_memory_cmd(
     model: Annotated[Optional[str], typer.Option("--model", help="Preset (see `vtrain presets`)")] = None,
@@ -245,16 +317,16 @@ def estimate_memory_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object")] = False,
 ) -> None:
     """Predict per-GPU training memory from the real model, without a GPU (fake tensors, one traced step)."""
-    from rich.console import Console
-
-    from vtrain.engine.memory import estimate_report, setup_from
-
     if not (0 < gpu_memory < float("inf")):
         raise VtrainError(f"--gpu-memory: must be a positive number of GiB, got {gpu_memory}")
     if gpus < 1:
         raise VtrainError(f"--gpus: must be >= 1, got {gpus}")
     if batch_size is not None and batch_size < 1:
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
+    from rich.console import Console  # after the checks above: a bad number is reported without importing torch
+
+    from vtrain.engine.memory import estimate_report, setup_from
+
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
                        fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
@@ -303,14 +375,28 @@ def presets() -> None:
 
 
 def main() -> None:
-    # Click (standalone mode) reports usage errors itself, with exit code 2; our own user errors arrive as
-    # VtrainError from anywhere in the core and become one line too.
+    # Every user error is one `error: ...` line and exit 2: Click's usage errors (an unknown option, `--seed abc`)
+    # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
+    # errors reach us instead of being drawn as a multi-line box (Typer >= 0.26 vendors Click as typer._click).
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+
     from vtrain.engine.interrupt import TrainingInterrupted
     from vtrain.safeio import force_weights_only_env
 
     force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
     try:
-        app(standalone_mode=True)
+        code = app(standalone_mode=False)  # the exit code of --help and the like, else the command's None
+    except NoArgsIsHelpError as e:  # `vtrain` alone: the help text (Typer's rich help is already printed)
+        if e.format_message().strip():
+            e.show()
+        sys.exit(e.exit_code)
+    except ClickException as e:
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        print(f"error: {' '.join(e.format_message().split())}{hint}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(1)
     except VtrainError as e:
         if not getattr(e, "quiet", False):  # an error rank 0 reports for all ranks
             print(f"error: {e}", file=sys.stderr)
@@ -319,6 +405,7 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             print(str(e), file=sys.stderr)
         sys.exit(e.code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

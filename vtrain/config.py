@@ -7,6 +7,7 @@ The resolved config is written to ``<output-dir>/config.yaml`` and is enough to 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import types
@@ -36,16 +37,35 @@ def _check(cond: bool, flag: str, msg: str) -> None:
         raise ConfigError(f"{flag} ({key}): {msg}" if key else f"{flag}: {msg}")
 
 
+def directory_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be (or become) a directory: it, or the nearest part of it that exists, is a file."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        return f"{p} is a file, not a directory" + (f" (in {path})" if p != Path(path) else "")
+    return None
+
+
 # flags whose name is not the field name with dashes
 _FLAG_RENAMES = {"preset": "--model", "path": "--data", "val_path": "--val-data", "pairs_file": "--pairs"}
+# fields set only in a --config file (no flag): their errors name the key alone, never a flag that does not exist
+CONFIG_ONLY = frozenset({"max_impostor_pairs", "betas", "min_lr_ratio", "milestones", "gamma", "fsdp_offload",
+                         "fsdp_reshard_after_forward"})
 
 
 def flag_of(name: str) -> str:
     return _FLAG_RENAMES.get(name, "--" + name.replace("_", "-"))
 
 
+def _where(section: str, name: str) -> str:
+    """How an error names a field: `--lr (optim.lr)`, or `optim.betas` for a field without a flag."""
+    return f"{section}.{name}" if name in CONFIG_ONLY else f"{flag_of(name)} ({section}.{name})"
+
+
 def _flag_keys() -> dict[str, str]:
-    return {flag_of(f.name): f"{section}.{f.name}" for section, cls in _SECTION_CLASSES.items() for f in fields(cls)}
+    return {flag_of(f.name): f"{section}.{f.name}" for section, cls in _SECTION_CLASSES.items() for f in fields(cls)
+            if f.name not in CONFIG_ONLY}
 
 
 @dataclass
@@ -107,13 +127,18 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "demo"
-    """`demo` (built-in synthetic identities) or a directory with train/<identity>/*.jpg (+ val/, pairs.txt)."""
+    """`demo` (built-in synthetic data); a directory (metric: an insightface RecordIO dir with train.rec + train.idx +
+    property, or train/<identity>/*.jpg (+ val/, pairs.txt); DINO: COCO layout); `hf:PATH`, a Hugging Face datasets
+    folder saved with save_to_disk or parquet files; or (metric eval only) a verification `.bin` pack."""
     num_workers: int = 2
     val_path: str | None = None
     """Held-out identity tree for verification; defaults to <data>/val when it exists."""
     pairs_file: str | None = None
     """Verification pairs file (`path1 path2 1|0` per line, paths relative to the file); else pairs are sampled."""
     max_impostor_pairs: int = 200_000
+    val_targets: list[str] | None = None
+    """Metric: verification packs to evaluate on, insightface style: `lfw` is <data>/lfw.bin, `x.bin` a path.
+    Default: every *.bin beside a train.rec; [] evaluates on none."""
     train_ann: str | None = None
     """Detection: COCO annotation JSON for training (default: <data>/annotations/instances_train2017.json)."""
     train_images: str | None = None
@@ -129,8 +154,20 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.num_workers <= 256, "--num-workers", f"must be in 0..256, got {self.num_workers}")
-        if self.path != "demo":
-            _check(Path(self.path).is_dir(), "--data", f"not a directory: {self.path}")
+        if self.path.startswith("hf:"):  # a Hugging Face datasets folder or parquet file(s) (data/hf.py)
+            _check(Path(self.path[3:]).exists() or bool(glob.glob(self.path[3:])), "--data",
+                   f"no such Hugging Face datasets folder or parquet file: {self.path[3:]}")
+        elif self.path != "demo":
+            p = Path(self.path)
+            _check(p.is_dir() or (p.is_file() and p.suffix == ".bin"), "--data",
+                   f"not a directory (or a verification .bin pack): {self.path}")
+        else:  # the demo data is written to the cache: a bad VTRAIN_CACHE is reported now, not after start-up
+            from vtrain.data.cache import cache_root
+
+            cache_root()
+        if self.val_targets is not None:  # `lfw, agedb_30` from a flag or YAML; also built directly by `vtrain eval`
+            items = self.val_targets.split(",") if isinstance(self.val_targets, str) else self.val_targets
+            self.val_targets = [t.strip() for t in items if t.strip()]
         if self.val_path is not None:
             _check(Path(self.val_path).is_dir(), "--val-data", f"not a directory: {self.val_path}")
         if self.pairs_file is not None:
@@ -202,9 +239,14 @@ class ParallelConfig:
             p = Path(self.ds_config)
             _check(p.is_file(), "--ds-config", f"file not found: {self.ds_config}")
             try:
-                json.loads(p.read_text())
+                raw = json.loads(p.read_text())
             except (OSError, ValueError) as e:
                 raise ConfigError(f"--ds-config: {self.ds_config} is not valid JSON ({e})") from None
+            # the JSON's own structure is checked now (a pure function of the file, no DeepSpeed import), so a
+            # typo there is one line before start-up; the values vtrain owns are filled in at launch (plan.py)
+            from vtrain.engine.ds_config import check_structure
+
+            check_structure(raw, self.ds_config)
             _check(not self.fsdp, "--fsdp", "cannot be combined with --ds-config (choose DeepSpeed or FSDP)")
 
 
@@ -254,8 +296,8 @@ class TrainConfig:
         _check(self.log_every > 0, "--log-every", f"must be > 0, got {self.log_every}")
         _check(self.max_nonfinite > 0, "--max-nonfinite", "must be > 0")
         _check(0 <= self.seed < 2**32, "--seed", f"must be in 0..2**32-1, got {self.seed}")
-        out = Path(self.output_dir)
-        _check(not out.exists() or out.is_dir(), "--output-dir", f"{out} is a file, not a directory")
+        problem = directory_problem(self.output_dir)
+        _check(problem is None, "--output-dir", str(problem))
         _check(not (self.resume and self.resume_weights_only), "--resume-weights-only",
                "cannot be combined with --resume (one continues a run, the other starts a new one from weights)")
         _check(not (self.resume and self.overwrite_output_dir), "--overwrite-output-dir",
@@ -329,17 +371,19 @@ TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+def read_yaml(path: str | Path, what: str = "--config") -> dict[str, Any]:
+    """A YAML mapping, read with safe_load (no Python tags); errors are named after `what` (the flag, or the
+    checkpoint the file belongs to)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--config: file not found: {path}")
+        raise ConfigError(f"{what}: file not found: {path}")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"--config: {path} is not valid YAML ({first})") from None
+        raise ConfigError(f"{what}: {path} is not valid YAML ({first})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--config: {path} must hold a mapping of sections (model, data, optim, parallel, train)")
+        raise ConfigError(f"{what}: {path} must hold a mapping of sections (model, data, optim, parallel, train)")
     return data
 
 
@@ -369,7 +413,7 @@ def build_config(task: str, file_values: dict[str, Any] | None = None,
     sections = {}
     for name, cls in _SECTION_CLASSES.items():
         hints = typing.get_type_hints(cls)
-        values = {k: coerce(v, hints[k], f"{flag_of(k)} ({name}.{k})") for k, v in merged[name].items()}
+        values = {k: coerce(v, hints[k], _where(name, k)) for k, v in merged[name].items()}
         sections[name] = cls(**values)
     return RunConfig(task=task, **sections)
 
@@ -429,7 +473,7 @@ def _number(value: Any, where: str, kind: str) -> float:
 
 def load_run_config(path: str | Path) -> RunConfig:
     """Rebuild the config saved with a run (``config.yaml``), skipping path checks that may no longer hold."""
-    data = read_yaml(path)
+    data = read_yaml(path, "checkpoint config")
     task = data.pop("task", "metric")
     data.get("model", {}).pop("pretrained", None)  # weights come from the checkpoint
     data.get("train", {}).pop("resume", None)

@@ -8,7 +8,8 @@ A pickle can name any importable callable (`os.system`, `builtins.exec`) and hav
   converter's worker processes); `WEIGHTS_ONLY_GLOBALS` lists exactly the non-tensor types those files
   legitimately hold (measured on ZeRO-1/2/3 and fp16 checkpoints of deepspeed 0.19.8).
 - Plain pickles that torch reads with `pickle.load` (the `.metadata` file of a torch distributed checkpoint) are
-  checked first with a restricted unpickler that admits only their own classes (`check_pickle`).
+  checked first with a restricted unpickler that admits only their own classes (`check_dcp`); the items of its
+  `.distcp` files are torch.load-ed, so weights-only (`dcp_refusals` names a refused one).
 
 A refused file is one clear error naming the file and what it tried to load.
 """
@@ -20,6 +21,7 @@ import os
 import pickle
 import re
 from collections.abc import Iterable
+from contextlib import contextmanager
 from pathlib import Path
 
 from vtrain.errors import VtrainError
@@ -70,7 +72,9 @@ def enforce_weights_only(deepspeed: bool = True) -> None:
         try:
             return _torch_load(f, *args, **kwargs)
         except pickle.UnpicklingError as e:
-            raise UnsafeFileError(f"refusing to unpickle {_name(f)}: {_what(str(e))}") from None
+            err = UnsafeFileError(f"refusing to unpickle {_name(f)}: {_what(str(e))}")
+            err.what = _what(str(e))  # for callers that know the file better (dcp_refusals)
+            raise err from None
 
     load.__doc__ = _torch_load.__doc__
     # DeepSpeed and Accelerate call `torch.load` through the module attribute, so this wrapper sees their calls
@@ -137,6 +141,24 @@ def restricted_load(path: str | Path, allowed: dict[tuple[str, str], object], da
         raise
     except Exception as e:  # truncated or not a pickle at all
         raise VtrainError(f"cannot read {path}: {type(e).__name__}: {e}") from None
+
+
+@contextmanager
+def dcp_refusals(path: Path):
+    """Around a torch.distributed.checkpoint load of folder `path`: DCP unpickles every item of its `.distcp` files
+    with torch.load (weights-only here) from an unnamed buffer, and reports a refusal as a CheckpointException
+    holding each rank's traceback. Make it the usual one line, naming the checkpoint and what was refused."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        for failure in e.failures.values():
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(exc, UnsafeFileError):
+                raise UnsafeFileError(f"refusing to unpickle an item of the distributed checkpoint {path}: "
+                                      f"{getattr(exc, 'what', exc)}") from None
+        raise
 
 
 def check_dcp(paths: Iterable[Path]) -> None:

@@ -8,13 +8,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from vtrain.config import directory_problem
 from vtrain.errors import VtrainError
 
 
 def cache_root() -> Path:
     root = Path(os.environ.get("VTRAIN_CACHE", Path.home() / ".cache" / "vtrain"))
-    if root.exists() and not root.is_dir():
-        raise VtrainError(f"VTRAIN_CACHE: {root} is a file, not a directory")
+    problem = directory_problem(root)
+    if problem is not None:
+        raise VtrainError(f"VTRAIN_CACHE: {problem}")
     return root
 
 
@@ -24,7 +26,10 @@ def cached_dir(name: str, write: Callable[[Path], None]) -> Path:
     target = cache_root() / name
     if (target / "DONE").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise VtrainError(f"VTRAIN_CACHE: cannot create {target.parent} ({e.strerror})") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}_", dir=target.parent))
     try:
         write(tmp)

@@ -51,8 +51,6 @@ class AnnotationReport:
 
 def load_coco(ann_file: str | Path):
     """pycocotools COCO object with its progress prints silenced; malformed files are one-line errors."""
-    from pycocotools.coco import COCO
-
     path = Path(ann_file)
     if not path.is_file():
         raise VtrainError(f"annotation file not found: {path}")
@@ -60,18 +58,25 @@ def load_coco(ann_file: str | Path):
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise VtrainError(f"{path} is not valid JSON ({e})") from None
+    return coco_from_dict(data, str(path))
+
+
+def coco_from_dict(data: dict, where: str):
+    """pycocotools COCO object over an in-memory COCO dict (`where` names its source in errors)."""
+    from pycocotools.coco import COCO
+
     for key in ("images", "annotations", "categories"):
         if not isinstance(data, dict) or key not in data:
-            raise VtrainError(f"{path} is not a COCO detection file: missing {key!r}")
+            raise VtrainError(f"{where} is not a COCO detection file: missing {key!r}")
     if not data["categories"]:
-        raise VtrainError(f"{path} has no categories")
+        raise VtrainError(f"{where} has no categories")
     coco = COCO()
     coco.dataset = data
     with contextlib.redirect_stdout(io.StringIO()):
         try:
             coco.createIndex()
         except (KeyError, TypeError) as e:
-            raise VtrainError(f"{path}: malformed COCO entry ({e!r})") from None
+            raise VtrainError(f"{where}: malformed COCO entry ({e!r})") from None
     return coco
 
 
@@ -119,6 +124,11 @@ def test_transforms(size: int, max_size: int) -> v2.Transform:
     return v2.Resize(size, max_size=max_size)
 
 
+def normalize(img: torch.Tensor) -> torch.Tensor:
+    """uint8 CHW image -> the float model input (ImageNet statistics)."""
+    return TF.normalize(img.float().div_(255.0), MEAN, STD)
+
+
 class CocoDetection(Dataset):
     """Images of a COCO annotation file with training targets: labels (contiguous, sorted category ids) and
     boxes (cxcywh normalised to the transformed image)."""
@@ -126,12 +136,7 @@ class CocoDetection(Dataset):
     def __init__(self, ann_file: str | Path, image_dir: str | Path, size: int, max_size: int, train: bool,
                  seed: int = 0) -> None:
         self.ann_file, self.image_dir = Path(ann_file), Path(image_dir)
-        self.train, self.seed = train, seed
         self.coco = load_coco(self.ann_file)
-        self.cat_ids = sorted(self.coco.getCatIds())
-        self.cat_to_label = {c: i for i, c in enumerate(self.cat_ids)}
-        self.names = [self.coco.cats[c].get("name", str(c)) for c in self.cat_ids]
-        self.report = AnnotationReport()
         self.ids = sorted(self.coco.imgs)
         if not self.ids:
             raise VtrainError(f"{self.ann_file} lists no images")
@@ -142,6 +147,16 @@ class CocoDetection(Dataset):
             first = self.image_dir / self.coco.imgs[missing[0]]["file_name"]
             raise VtrainError(f"{len(missing)} of {len(self.ids)} images listed in {self.ann_file.name} are missing "
                               f"from {self.image_dir}, e.g. {first}")
+        self._index(size, max_size, train, seed)
+
+    def _index(self, size: int, max_size: int, train: bool, seed: int) -> None:
+        """Labels, checked targets, transforms and aspect-ratio groups of `self.coco` over `self.ids`: shared by
+        annotation files and in-memory COCO sets (data/hf.py), so both go through the same checks."""
+        self.train, self.seed = train, seed
+        self.cat_ids = sorted(self.coco.getCatIds())
+        self.cat_to_label = {c: i for i, c in enumerate(self.cat_ids)}
+        self.names = [self.coco.cats[c].get("name", str(c)) for c in self.cat_ids]
+        self.report = AnnotationReport()
         self.targets = [self._clean(i) for i in self.ids]
         self.report.unknown_image = sum(len(v) for k, v in self.coco.imgToAnns.items() if k not in self.coco.imgs)
         if train and self.report.boxes == 0:
@@ -153,6 +168,11 @@ class CocoDetection(Dataset):
     @property
     def num_classes(self) -> int:
         return len(self.cat_ids)
+
+    @property
+    def categories(self) -> list[dict]:
+        """COCO `categories` entries (id, name) in label order; saved with checkpoints for `vtrain predict`."""
+        return [{"id": int(c), "name": n} for c, n in zip(self.cat_ids, self.names)]
 
     def _clean(self, image_id: int) -> tuple[np.ndarray, np.ndarray]:
         info = self.coco.imgs[image_id]
@@ -216,8 +236,7 @@ class CocoDetection(Dataset):
         h, w = img.shape[-2:]
         cxcywh = TF.convert_bounding_box_format(target["boxes"], new_format=tv_tensors.BoundingBoxFormat.CXCYWH)
         norm = torch.tensor([w, h, w, h], dtype=torch.float32)
-        image = TF.normalize(img.float().div_(255.0), MEAN, STD)
-        return {"images": image, "boxes": cxcywh.as_subclass(torch.Tensor).float() / norm,
+        return {"images": normalize(img), "boxes": cxcywh.as_subclass(torch.Tensor).float() / norm,
                 "labels": target["labels"], "image_id": torch.tensor(self.ids[idx]),
                 "orig_size": torch.tensor([h0, w0]), "index": torch.tensor(idx)}
 

@@ -98,3 +98,44 @@ def ensure_demo_faces(seed: int = 0) -> Path:
         write_identity_tree(tmp / "val", TRAIN_IDS, VAL_IDS, VAL_PER_ID, seed)
 
     return cached_dir(f"demo_faces_v{VERSION}_s{seed}", write)
+
+
+PACK_FOLDS, PACK_PAIRS_PER_FOLD = 10, 30  # LFW's layout: 10 folds of 300 genuine then 300 impostor pairs, scaled
+
+
+def ensure_demo_faces_rec(seed: int = 0) -> Path:
+    """The demo set as users have it at scale: the training identities packed into an insightface RecordIO set
+    (train.rec, train.idx, property; the same JPEG bytes in FaceFolder's order, so training from it matches
+    training from the folders), `heldout.bin`, a verification pack of pairs over the held-out identities, and
+    the held-out identity folders (val/) for the sampled-pairs TAR@FAR. Generated once into the cache."""
+    import shutil
+
+    from vtrain.data.faces import FaceFolder
+    from vtrain.data.recordio import write_face_rec
+    from vtrain.data.verification_bin import write_bin
+
+    src = ensure_demo_faces(seed)
+
+    def write(tmp: Path) -> None:
+        train = FaceFolder(src / "train", SIZE, train=False)
+        write_face_rec(tmp, [(Path(p).read_bytes(), label) for p, label in train.samples], train.num_classes, SIZE)
+        shutil.copytree(src / "val", tmp / "val")
+        val = FaceFolder(src / "val", SIZE, train=False)
+        by_id: dict[int, list[str]] = {}
+        for p, label in val.samples:
+            by_id.setdefault(label, []).append(p)
+        rng = np.random.default_rng([seed, 7])
+        images, same = [], []
+        for _ in range(PACK_FOLDS):
+            for genuine in (True, False):
+                for _ in range(PACK_PAIRS_PER_FOLD):
+                    if genuine:
+                        a, b = rng.choice(by_id[int(rng.integers(len(by_id)))], 2, replace=False)
+                    else:
+                        i, j = rng.choice(len(by_id), 2, replace=False)
+                        a, b = rng.choice(by_id[int(i)]), rng.choice(by_id[int(j)])
+                    images += [Path(a).read_bytes(), Path(b).read_bytes()]
+                    same.append(genuine)
+        write_bin(tmp / "heldout.bin", images, same)
+
+    return cached_dir(f"demo_faces_rec_v{VERSION}_s{seed}", write)

@@ -1,4 +1,5 @@
-"""Identity-per-folder face data (torchvision's folder scanning), train transforms and verification pairs."""
+"""Face data: which layout --data is, the sample pipeline every face set shares (decode, [-1, 1], seeded flip),
+identity-per-folder sets (torchvision's folder scanning) and verification pairs. RecordIO sets: recordio.py."""
 
 from __future__ import annotations
 
@@ -14,39 +15,112 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as TF
 
 from vtrain.config import DataConfig
-from vtrain.data.demo_faces import ensure_demo_faces
+from vtrain.data.demo_faces import ensure_demo_faces_rec
 from vtrain.errors import BadSample, VtrainError
 
 
 @dataclass
 class FaceData:
-    train_dir: Path
+    root: Path
+    layout: str
+    """"recordio" (train.rec + train.idx), "folders" (one folder per identity) or "bin" (--data X.bin: eval only)."""
+    train_dir: Path | None
     val_dir: Path | None
     pairs_file: Path | None
+    val_targets: list[tuple[str, Path]]
+    """Verification packs to evaluate on: (name, .bin path)."""
 
 
 def resolve_face_data(cfg: DataConfig) -> FaceData:
-    """Map --data to a train tree plus optional held-out identities / pairs file."""
-    root = ensure_demo_faces() if cfg.path == "demo" else Path(cfg.path)
-    train = root / "train" if (root / "train").is_dir() else root
-    val = Path(cfg.val_path) if cfg.val_path else (root / "val" if (root / "val").is_dir() else None)
-    pairs = Path(cfg.pairs_file) if cfg.pairs_file else (root / "pairs.txt" if (root / "pairs.txt").is_file() else None)
-    return FaceData(train, val, pairs)
+    """Map --data to its layout (recognised by its files), train data, held-out identities / pairs file and the
+    `.bin` packs of --val-targets (default: every *.bin beside a train.rec, as insightface's rec dirs ship them)."""
+    root = ensure_demo_faces_rec() if cfg.path == "demo" else Path(cfg.path)
+    val = Path(cfg.val_path) if cfg.val_path else None
+    pairs = Path(cfg.pairs_file) if cfg.pairs_file else None
+    if root.is_file():  # a verification pack on its own
+        targets = [str(root), *(cfg.val_targets or [])]
+        return FaceData(root, "bin", None, val, pairs, _val_targets(targets, root.parent))
+    if (root / "train.rec").is_file() or (root / "train.idx").is_file():
+        layout, train = "recordio", root
+    else:
+        layout, train = "folders", root / "train" if (root / "train").is_dir() else root
+    val = val or (root / "val" if (root / "val").is_dir() else None)
+    pairs = pairs or (root / "pairs.txt" if (root / "pairs.txt").is_file() else None)
+    names = cfg.val_targets
+    if names is None:
+        names = sorted(p.name for p in root.glob("*.bin")) if layout == "recordio" else []
+    return FaceData(root, layout, train, val, pairs, _val_targets(names, root))
 
 
-def load_image(path: str, size: int) -> torch.Tensor:
-    """Decode to a float CHW tensor in [-1, 1] (insightface normalisation), resized to size x size."""
-    try:
-        img = decode_image(str(path), mode=ImageReadMode.RGB)
-    except Exception as e:
-        raise BadSample(f"cannot decode image {path}: {' '.join(str(e).split())[:200]} "
-                        "(--skip-bad-images skips unreadable files)") from None
+def _val_targets(names: list[str], root: Path) -> list[tuple[str, Path]]:
+    """insightface style: `lfw` is <root>/lfw.bin; a name ending in .bin is a path (or a file in <root>)."""
+    out: dict[str, Path] = {}
+    for name in names:
+        cands = [Path(name), root / name] if name.endswith(".bin") else [root / f"{name}.bin"]
+        path = next((c for c in cands if c.is_file()), None)
+        if path is None:
+            raise VtrainError(f"--val-targets: {name}: no such verification pack "
+                              f"({' or '.join(str(c) for c in cands)})")
+        if path.stem in out and out[path.stem].resolve() != path.resolve():
+            raise VtrainError(f"--val-targets: two packs named {path.stem} ({out[path.stem]}, {path})")
+        out[path.stem] = path
+    return list(out.items())
+
+
+def to_model_input(img: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 RGB CHW -> float CHW in [-1, 1] (insightface normalisation x / 127.5 - 1), resized to size x size."""
     if img.shape[-2:] != (size, size):
         img = TF.resize(img, [size, size], antialias=True)
     return img.float().div_(127.5).sub_(1.0)
 
 
-class FaceFolder(Dataset):
+def decode_rgb(data: str | Path | bytes | tuple[str, bytes], what: str | None = None) -> torch.Tensor:
+    """Decode a file, encoded bytes (JPEG, PNG, ...) or (name, encoded bytes), e.g. a row of a Hugging Face
+    datasets `Image` column (data/hf.py), to uint8 RGB CHW; `what` names it in the error (default: the file or
+    the name)."""
+    if isinstance(data, tuple):
+        name, data = data
+        what = what or name
+    what = what or str(data)
+    try:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            data = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a writable copy: frombuffer shares memory
+        return decode_image(data if isinstance(data, torch.Tensor) else str(data), mode=ImageReadMode.RGB)
+    except Exception as e:
+        raise BadSample(f"cannot decode image {what}: {' '.join(str(e).split())[:200]} "
+                        "(--skip-bad-images skips unreadable files)") from None
+
+
+def load_image(path: str | Path | tuple[str, bytes], size: int) -> torch.Tensor:
+    """Decode to a float CHW tensor in [-1, 1] (insightface normalisation), resized to size x size."""
+    return to_model_input(decode_rgb(path), size)
+
+
+class FaceSamples(Dataset):
+    """What every face training set shares: decoding, [-1, 1] normalisation and the seeded flip. Subclasses
+    give `_read(idx) -> (uint8 RGB CHW image, class id)`, `targets` and `num_classes`."""
+
+    image_size: int
+    train: bool
+    seed: int
+
+    def _read(self, idx: int) -> tuple[torch.Tensor, int]:
+        raise NotImplementedError
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, torch.Tensor]:
+        # The sampler passes (epoch, index): augmentation is seeded by both, so a resumed run sees exactly
+        # the same augmented samples as an uninterrupted one, whatever worker decodes them.
+        epoch, idx = key if isinstance(key, tuple) else (0, key)
+        raw, label = self._read(idx)
+        img = to_model_input(raw, self.image_size)
+        if self.train:
+            g = np.random.default_rng([self.seed, epoch, idx])
+            if g.random() < 0.5:
+                img = img.flip(-1)
+        return {"images": img, "labels": torch.tensor(label), "index": torch.tensor(idx)}
+
+
+class FaceFolder(FaceSamples):
     """root/<identity>/<image>; labels are the sorted identity folder indices."""
 
     def __init__(self, root: str | Path, image_size: int, train: bool = True, seed: int = 0,
@@ -67,17 +141,9 @@ class FaceFolder(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, torch.Tensor]:
-        # The sampler passes (epoch, index): augmentation is seeded by both, so a resumed run sees exactly
-        # the same augmented samples as an uninterrupted one, whatever worker decodes them.
-        epoch, idx = key if isinstance(key, tuple) else (0, key)
+    def _read(self, idx: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[idx]
-        img = load_image(path, self.image_size)
-        if self.train:
-            g = np.random.default_rng([self.seed, epoch, idx])
-            if g.random() < 0.5:
-                img = img.flip(-1)
-        return {"images": img, "labels": torch.tensor(label), "index": torch.tensor(idx)}
+        return decode_rgb(path), label
 
 
 def scan_identity_tree(root: Path) -> tuple[list[str], list[tuple[str, int]], list[str]]:

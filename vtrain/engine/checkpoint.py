@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ COMPLETE = "COMPLETE"
 FORMAT = "vtrain-checkpoint"
 TRAIN_STATE = "train_state.json"
 LEGACY_TRAIN_STATE = "train_state.pt"  # vtrain <= 0.1 (a weights-only pickle of plain types)
+CATEGORIES = "categories.json"  # detection: class ids and names in label order, for `vtrain predict`
 
 
 class CheckpointError(VtrainError):
@@ -239,6 +241,8 @@ def find_verified(path: str | Path, flag: str) -> Path:
     for cand in reversed(found):
         problem = verify(cand)
         if problem is None:
+            for skipped in problems:  # as --resume auto does: never use an older checkpoint silently
+                print(f"note: {flag}: skipping a damaged checkpoint: {skipped}", file=sys.stderr)
             return cand
         problems.append(problem)
     raise CheckpointError(f"{flag}: no checkpoint in {path} verifies; newest: {problems[0]}")

@@ -25,7 +25,7 @@ import torch
 
 from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
-from vtrain.safeio import check_dcp, enforce_weights_only
+from vtrain.safeio import check_dcp, dcp_refusals, enforce_weights_only
 
 Item = tuple[str, torch.Tensor, bool]  # name, tensor, is_buffer
 
@@ -233,7 +233,8 @@ def _read_dcp(path: Path, notes: list[str], aliases: dict[str, str]) -> Iterator
             continue  # optimizer states
         m = meta.state_dict_metadata[key]
         t = torch.empty(m.size, dtype=m.properties.dtype)
-        dcp.load({key: t}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        with dcp_refusals(path):
+            dcp.load({key: t}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
         name = key[len(prefix):]
         yield name, _noted(t, name, notes, "tensor"), _looks_like_buffer(name)
 

@@ -23,15 +23,46 @@ def _enabled(section: Any) -> Any:
     return section.get("enabled", "auto") if isinstance(section, dict) else "auto"
 
 
+def check_structure(raw: Any, source: str) -> None:
+    """The checks that need nothing but the JSON (types, stage, offload devices, sections vtrain owns), so that
+    config validation can run them before start-up; fill_ds_config runs them again."""
+    def fail(msg: str) -> None:
+        raise ConfigError(f"--ds-config {source}: {msg}")
+
+    if not isinstance(raw, dict):
+        fail("top level must be a JSON object")
+    for key in ("optimizer", "scheduler"):
+        if key in raw:
+            fail(f"remove the '{key}' section; vtrain builds AdamW and the LR schedule from "
+                 "--lr/--weight-decay/--warmup-steps (one owner per knob)")
+    for key in ("bf16", "fp16", "torch_autocast"):
+        section = raw.get(key)
+        if section is not None and not isinstance(section, dict):
+            fail(f'{key} must be an object like {{"enabled": true}}, got {section!r}')
+        if isinstance(section, dict) and section.get("enabled", "auto") not in (True, False, "auto"):
+            fail(f"{key}.enabled must be true, false or \"auto\", got {section['enabled']!r}")
+    if _enabled(raw.get("bf16")) is True and _enabled(raw.get("fp16")) is True:
+        fail("bf16 and fp16 cannot both be enabled")
+    zero = raw.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        fail("zero_optimization must be an object")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        fail(f"zero_optimization.stage must be 0-3, got {stage!r}")
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) or {}
+        if not isinstance(section, dict):
+            fail(f'zero_optimization.{key} must be an object like {{"device": "cpu"}}, got {section!r}')
+        if section.get("device", "none") not in ("none", "cpu", "nvme"):
+            fail(f"zero_optimization.{key}.device must be none/cpu/nvme, got {section['device']!r}")
+    if (zero.get("offload_param") or {}).get("device", "none") != "none" and stage != 3:
+        fail(f"offload_param needs zero_optimization.stage 3 (got {stage})")
+
+
 def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_accum: int, world_size: int,
                    clip_grad: float, precision: str, precision_explicit: bool) -> tuple[dict[str, Any], dict]:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--ds-config {source}: top level must be a JSON object")
+    check_structure(raw, source)
     ds = copy.deepcopy(raw)
-    for key in ("optimizer", "scheduler"):
-        if key in ds:
-            raise ConfigError(f"--ds-config {source}: remove the '{key}' section; vtrain builds AdamW and the LR "
-                              "schedule from --lr/--weight-decay/--warmup-steps (one owner per knob)")
 
     def own(key: str, value: Any, flag: str) -> None:
         if _is_auto(ds.get(key)):
@@ -46,31 +77,13 @@ def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_ac
     own("gradient_clipping", float(clip_grad), "--clip-grad")
 
     zero = ds.setdefault("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise ConfigError(f"--ds-config {source}: zero_optimization must be an object")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--ds-config {source}: zero_optimization.stage must be 0-3, got {stage!r}")
-
-    def offloaded(key: str) -> bool:
-        section = zero.get(key) or {}
-        if not isinstance(section, dict):
-            raise ConfigError(f"--ds-config {source}: zero_optimization.{key} must be an object like "
-                              f'{{"device": "cpu"}}, got {section!r}')
-        dev = section.get("device", "none")
-        if dev not in ("none", "cpu", "nvme"):
-            raise ConfigError(f"--ds-config {source}: zero_optimization.{key}.device must be none/cpu/nvme")
-        return dev != "none"
-
-    off_opt, off_par = offloaded("offload_optimizer"), offloaded("offload_param")
-    if off_par and stage != 3:
-        raise ConfigError(f"--ds-config {source}: offload_param needs zero_optimization.stage 3 (got {stage})")
+    off_opt, off_par = ((zero.get(key) or {}).get("device", "none") != "none"
+                        for key in ("offload_optimizer", "offload_param"))
 
     bf16, fp16 = _enabled(ds.get("bf16")), _enabled(ds.get("fp16"))
     explicit = [name for name, v in (("bf16", bf16), ("fp16", fp16)) if v is True]
     autocast_cfg = ds.get("torch_autocast", {})
-    if len(explicit) > 1:
-        raise ConfigError(f"--ds-config {source}: bf16 and fp16 cannot both be enabled")
     if explicit:  # the user asked for DeepSpeed's own full low-precision mode: respect it
         mode = explicit[0]
         if precision_explicit and precision != mode:

@@ -13,8 +13,8 @@ import os
 import signal
 import sys
 
-import torch
-import torch.distributed as dist
+# torch is imported where it is used: the CLI installs the handler first thing, and a bad flag must be reported
+# without paying the seconds of a torch import
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -32,13 +32,21 @@ class GracefulInterrupt:
         self.signum = 0
         self._group = None
         self._previous: dict[int, object] = {}
+        self._pid = os.getpid()
 
     def install(self) -> "GracefulInterrupt":
+        self._pid = os.getpid()
         for s in SIGNALS:
             self._previous[s] = signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum: int, frame) -> None:
+        if os.getpid() != self._pid:
+            # a forked child (multiprocessing.Pool writing the demo data) inherits this handler; it has no step
+            # to finish, and Pool.terminate() waits for the SIGTERM it sends to kill it: die as by default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.signum:  # second signal: leave now
             os._exit(128 + signum)
         self.signum = signum
@@ -47,6 +55,8 @@ class GracefulInterrupt:
 
     def use_group(self, world: int) -> None:
         """Collective: a gloo group for the per-step agreement (the default group may be NCCL)."""
+        import torch.distributed as dist
+
         if world > 1:
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
@@ -54,6 +64,9 @@ class GracefulInterrupt:
         """The signal any rank received (0: none). Collective when distributed."""
         if self._group is None:
             return self.signum
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([self.signum], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return int(flag.item())

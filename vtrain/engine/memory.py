@@ -12,7 +12,10 @@ Two parts (../shared/reference/memory_ckpt.md):
   built on `meta` and materialised with `to_empty` inside fake mode (timm's __init__ reads values, §1.3).
   CPU autocast keeps layer_norm/group_norm/softmax in bf16 where CUDA autocast runs them in fp32 (§1.3); a
   TorchFunctionMode applies CUDA's fp32 list on top of CPU autocast so the trace matches a GPU run, and SDPA with a
-  trainable bias goes through CUDA's memory-efficient kernel where CPU would fall back to the math kernel.
+  trainable bias goes through CUDA's memory-efficient kernel where CPU would fall back to the math kernel. DINO's
+  deformable attention is traced as the op a GPU run calls, the fused Triton custom op: its fake kernel's
+  output, the three tensors its autograd saves and the fp32 value-gradient accumulator of its backward (the
+  grid_sample path, which the CPU uses, keeps every sampled value: about 1.8 GB per encoder layer and image).
 - Buffers that no tracer sees: DeepSpeed's communication buckets (§2.2: with overlap_comm 4.5 x (reduce +
   allgather) bucket elements x 2 bytes) and the CUDA context / library workspaces (a fixed allowance).
 """
@@ -58,6 +61,15 @@ class Setup:
     overlap_comm: bool = True
     ds_16bit: bool = False  # a DeepSpeed JSON with bf16/fp16 enabled (16-bit params); else torch_autocast / fp32
     autocast_policy: str = "cuda"  # cuda | cpu (the CPU tests compare against real CPU runs)
+    # DINO's deformable attention: auto = the implementation a run on the target device uses, i.e. the fused
+    # Triton op for the cuda policy (traced through its fake kernel and what its autograd saves) and the
+    # PyTorch path for cpu; or triton | pytorch
+    msda_impl: str = "auto"
+
+    def resolved_msda_impl(self) -> str:
+        if self.msda_impl != "auto":
+            return self.msda_impl
+        return "triton" if self.autocast_policy == "cuda" else "pytorch"
 
     def label(self) -> str:
         gc = "+".join(self.grad_ckpt) if self.grad_ckpt else "none"
@@ -283,6 +295,8 @@ def trace_step(setup: Setup, fake: bool = True) -> dict[str, int]:
     everything the step creates (`Peak`, gradients included). fake=False runs real CPU tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from vtrain.models.dino.msda import auto_impl
+
     torch.manual_seed(0)
     if fake:
         with torch.device("meta"):
@@ -291,6 +305,7 @@ def trace_step(setup: Setup, fake: bool = True) -> dict[str, int]:
         model = build_model(setup)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     policy = cuda_autocast_policy() if setup.autocast_policy == "cuda" else contextlib.nullcontext()
+    kernel = auto_impl(setup.resolved_msda_impl())
     amp = (torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[setup.precision])
            if setup.precision != "no" else contextlib.nullcontext())
     torch.manual_seed(0)
@@ -301,7 +316,8 @@ def trace_step(setup: Setup, fake: bool = True) -> dict[str, int]:
         inputs = _inputs(setup, torch.device("cpu"))
         tracker = LiveBytes([*model.parameters(), *model.buffers(),
                              *(t for t in inputs.values() if isinstance(t, torch.Tensor))])
-        with tracker, policy:  # the policy stays on in backward: checkpointed blocks recompute under it
+        # the policy and the kernel choice stay on in backward: checkpointed blocks recompute under them
+        with tracker, policy, kernel:
             with amp:
                 out = model(**inputs)
             out["loss"].float().backward()
@@ -309,28 +325,42 @@ def trace_step(setup: Setup, fake: bool = True) -> dict[str, int]:
     return {"Activation": tracker.peak(grads), "Peak": tracker.peak(set())}
 
 
-def allocator_peak(setup: Setup) -> int:
-    """The validation reference for `trace_step`'s `Peak`, independent of it: one real step on CPU tensors,
-    measured by the CPU allocator's own allocation/free events as torch.profiler records them
-    (profile_memory=True). Peak of the bytes the step allocated, gradients included. (torch's MemTracker was
-    tried first: it agrees without checkpointing, but under checkpointing reports about 30% below the
-    allocator, its documented attribution limit.) CPU autocast only: compare with autocast_policy="cpu"."""
+def profiled_peak(step) -> int:
+    """Peak bytes the CPU allocator held while `step()` ran, from its own allocation/free events as
+    torch.profiler records them (profile_memory=True); counted from zero at the start."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    model = build_model(setup)
-    model.train()
-    inputs = _inputs(setup, torch.device("cpu"))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.precision == "bf16"):
-            out = model(**inputs)
-        out["loss"].float().backward()
+        step()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, n in events:
         live += n
         peak = max(peak, live)
     return peak
+
+
+def allocator_peak(setup: Setup) -> int:
+    """The validation reference for `trace_step`'s `Peak`, independent of it: one real step on CPU tensors,
+    measured by the CPU allocator (`profiled_peak`). Peak of the bytes the step allocated, gradients included.
+    (torch's MemTracker was tried first: it agrees without checkpointing, but under checkpointing reports about
+    30% below the allocator, its documented attribution limit.) CPU autocast only: compare with
+    autocast_policy="cpu". With msda_impl="triton" the fused op runs in the Triton interpreter
+    (TRITON_INTERPRET=1), whose launchers allocate exactly what they do on a GPU."""
+    from vtrain.models.dino.msda import auto_impl
+
+    torch.manual_seed(0)
+    model = build_model(setup)
+    model.train()
+    inputs = _inputs(setup, torch.device("cpu"))
+
+    def step() -> None:
+        with auto_impl(setup.resolved_msda_impl()):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.precision == "bf16"):
+                out = model(**inputs)
+            out["loss"].float().backward()
+
+    return profiled_peak(step)
 
 
 @dataclass
@@ -377,6 +407,10 @@ def estimate(setup: Setup, trace: dict[str, int] | None = None, facts: ModelFact
     states = model_state_bytes(facts.trainable, facts.frozen, setup.zero, setup.fsdp, setup.offload, setup.gpus,
                                setup.ds_16bit)
     notes = []
+    if setup.task == "dino":
+        notes.append("deformable attention traced as " + (
+            "the fused Triton op (saves value, locations and weights)" if setup.resolved_msda_impl() == "triton"
+            else "the PyTorch grid_sample path (keeps every sampled value)"))
     if setup.zero:
         notes.append(f"DeepSpeed buckets: reduce {setup.ds_buckets[0]:.0e}, allgather {setup.ds_buckets[1]:.0e} "
                      f"elements, overlap_comm {setup.overlap_comm}")

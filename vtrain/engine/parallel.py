@@ -25,7 +25,7 @@ from vtrain.engine import precision as prec
 from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
-from vtrain.safeio import check_dcp
+from vtrain.safeio import check_dcp, dcp_refusals
 
 
 def _free_port() -> int:
@@ -158,7 +158,11 @@ class ParallelEngine:
         return contextlib.nullcontext()
 
     def all_finite(self, loss: torch.Tensor) -> bool:
-        """Whether the loss is finite on every rank (all ranks must agree to skip, or collectives hang)."""
+        """Whether the loss is finite on every rank (all ranks must agree to skip, or collectives hang).
+
+        The loop's one host sync per micro-batch: whether to run backward at all must be known on the host, because
+        a backward over a NaN loss cannot be undone everywhere (DeepSpeed ZeRO-1/2 accumulates reduced gradients
+        in partition buffers that `zero_grad` leaves alone), so the skip is decided before backward, not after."""
         flag = torch.isfinite(loss.detach()).float().reshape(1)
         if self.plan.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -173,14 +177,15 @@ class ParallelEngine:
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def step(self, clip_grad: float) -> tuple[float, bool]:
-        """Clip, update and zero gradients. Returns the global gradient norm (before clipping) and whether the
+    def step(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
+        """Clip, update and zero gradients. Returns the global gradient norm (before clipping) as a 0-d tensor left
+        on the device (reading it would wait for the step: the loop reads it once per log line) and whether the
         update was applied (False when fp16 loss scaling found an overflow and skipped it)."""
         if self.plan.kind == "deepspeed":
             self.model.step()  # clipping from the filled gradient_clipping value
             norm = self.model.get_global_grad_norm()
             applied = bool(getattr(self.model, "was_step_applied", lambda: True)())
-            return (float(norm) if norm is not None else float("nan")), applied
+            return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32), applied
         opt = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
@@ -197,7 +202,7 @@ class ParallelEngine:
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(norm), applied
+        return norm.detach(), applied
 
     def _stepping_optimizer(self) -> Any:
         if self.plan.kind == "deepspeed":
@@ -276,6 +281,14 @@ class ParallelEngine:
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "fsdp"))
 
     def load(self, path: Path) -> None:
+        # Accelerate reads the RNG states inside `except Exception: "Could not load random states"`, so a refused
+        # (doctored) file would be skipped silently and the resume quietly lose them: read it first with
+        # Accelerate's own loader, so a refusal is the usual one-line error (tests/test_safety.py).
+        from accelerate.utils import load as accelerate_load
+
+        rng = path / "accelerate" / f"random_states_{self.accelerator.process_index}.pkl"
+        if rng.is_file():
+            accelerate_load(rng)
         self.accelerator.load_state(str(path / "accelerate"))
         if self.plan.kind == "fsdp":
             import torch.distributed.checkpoint as dcp
@@ -286,7 +299,8 @@ class ParallelEngine:
             check_dcp([path / "fsdp"])  # DCP reads its .metadata with plain pickle.load
             msd, osd = get_state_dict(self.model, self.optimizer)
             state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=str(path / "fsdp"))
+            with dcp_refusals(path / "fsdp"):
+                dcp.load(state, checkpoint_id=str(path / "fsdp"))
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
 

@@ -63,6 +63,41 @@ def _debug_nonfinite(what: str, step: int) -> bool:
     return kind == what and at.isdigit() and step >= int(at)
 
 
+class _Window:
+    """Sums of the per-step stats since the last log line. Device tensors are summed on the device (NaN values
+    left out and counted there too, as a host-side `isnan` test would need a sync per step); host floats here."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Any] = {}
+        self.counts: dict[str, Any] = {}
+
+    def add(self, stats: dict[str, Any]) -> None:
+        for k, v in stats.items():
+            if k == "skipped":
+                continue
+            if isinstance(v, torch.Tensor):
+                v = v.detach().to(torch.float64)
+                ok = ~torch.isnan(v)
+                v, n = torch.where(ok, v, torch.zeros_like(v)), ok.to(torch.float64)
+            elif math.isnan(v):
+                continue
+            else:
+                n = 1
+            self.sums[k] = self.sums[k] + v if k in self.sums else v
+            self.counts[k] = self.counts[k] + n if k in self.counts else n
+
+    def means(self, device: torch.device) -> tuple[list[str], torch.Tensor]:
+        """Sorted keys and their means as one float64 tensor on `device` (NaN where a key had no finite value).
+        Every rank holds the same keys: skips are agreed, and a key appears once it was added at all."""
+        keys = sorted(self.sums)
+        as_t = lambda x: torch.as_tensor(x, dtype=torch.float64).to(device)  # noqa: E731
+        if not keys:
+            return keys, torch.zeros(0, dtype=torch.float64, device=device)
+        sums = torch.stack([as_t(self.sums[k]) for k in keys])
+        counts = torch.stack([as_t(self.counts[k]) for k in keys])
+        return keys, sums / counts
+
+
 class _AgreedError(VtrainError):
     """An error rank 0 found and told the other ranks about: they exit quietly, rank 0 prints it once."""
 
@@ -237,6 +272,7 @@ class Trainer:
                             num_workers=workers, drop_last=True, collate_fn=collate,
                             persistent_workers=workers > 0, pin_memory=self.accelerator.device.type == "cuda",
                             worker_init_fn=ignore_in_worker)
+        self._loader = loader
         while True:
             self.sampler.set_position(epoch, offset)
             for batch in loader:
@@ -249,7 +285,9 @@ class Trainer:
         when any micro-batch had a non-finite loss on any rank)."""
         self.model.train()
         accum = len(batches)
-        sums: dict[str, float] = {}
+        # loss components stay on the device (a float() per component would wait for the forward pass each
+        # micro-batch, leaving the GPU idle while the host queues the backward); the loop reads them per log line
+        sums: dict[str, torch.Tensor] = {}
         window_ok = True
         for i, batch in enumerate(batches):
             inputs = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in
@@ -270,7 +308,8 @@ class Trainer:
                     window_ok = False  # no backward on any rank: no collective is left half-done
             for k, v in out.items():
                 if v.ndim == 0 and finite:
-                    sums[k] = sums.get(k, 0.0) + float(v.detach())
+                    v = v.detach().float()
+                    sums[k] = sums[k] + v if k in sums else v
         lr = self.engine.current_lr()  # the LR this update uses, read from the optimizer that steps
         if window_ok:
             grad_norm, applied = self.engine.step(self.cfg.optim.clip_grad)
@@ -284,7 +323,7 @@ class Trainer:
             self.consecutive_nonfinite = 0
         else:
             self.engine.zero_grad()
-            grad_norm = float("nan")
+            grad_norm = None
             self.skipped_steps += 1
             self.consecutive_nonfinite += 1
         self.step += 1
@@ -292,14 +331,30 @@ class Trainer:
             with torch.no_grad():
                 next(p for p in self.model.parameters() if p.numel()).view(-1)[:1].fill_(float("inf"))
         self.consumed_samples += accum * self.cfg.train.batch_size * self.world
-        stats = {k: v / accum for k, v in sums.items()} if window_ok else {"loss": float("nan")}
-        stats["grad_norm"] = grad_norm
+        # loss components and grad_norm are 0-d device tensors (none in a skipped window); lr is a host float
+        stats: dict[str, Any] = {k: v / accum for k, v in sums.items()} if window_ok else {}
+        if grad_norm is not None:
+            stats["grad_norm"] = grad_norm
         stats["lr"] = lr
         stats["skipped"] = not window_ok
         return stats
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any] | None:
+        try:
+            return self._fit()
+        finally:
+            self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        """Shut the DataLoader workers down through their queues, also after an error (an unreadable image raised
+        in a worker). They ignore SIGTERM (interrupt.ignore_in_worker), so multiprocessing's exit hook, which
+        terminates daemonic children with SIGTERM and then joins them, would otherwise wait forever."""
+        it = getattr(getattr(self, "_loader", None), "_iterator", None)  # persistent workers' iterator
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    def _fit(self) -> dict[str, Any] | None:
         t = self.cfg.train
         self.logger.info(self.describe())
         if self.pretrained_msg:
@@ -310,7 +365,7 @@ class Trainer:
             self.logger.info(note)
         stream = self._micro_batches()
         timer = StepTimer()
-        window: dict[str, float] = {}
+        window = _Window()
         last_eval: dict[str, Any] | None = None
         epoch = None
         while self.step < self.total_steps:
@@ -331,23 +386,22 @@ class Trainer:
                 self._write_run_info()
             stats = self.train_step(batches)
             timer.steps += 1
-            for k, v in stats.items():
-                if k != "skipped" and not (isinstance(v, float) and math.isnan(v)):
-                    window[k] = window.get(k, 0.0) + v
-                    window[f"n_{k}"] = window.get(f"n_{k}", 0) + 1
+            window.add(stats)
             self.logger.advance()
-            signum = self.interrupt.requested()  # collective: every rank stops at the same step
-            if signum:
-                self._stop_interrupted(signum)
             if self.step % t.log_every == 0 or self.step == self.total_steps:
                 self._check_parameters()
                 self._log(epoch, window, timer)
-                window = {}
+                window = _Window()
                 timer.reset()
             if self.consecutive_nonfinite >= t.max_nonfinite:
                 self.logger.close()
                 raise VtrainError(f"stopping: {self.consecutive_nonfinite} consecutive steps with a non-finite loss "
                                   f"(step {self.step}); lower --lr or raise --warmup-steps, or use bf16")
+            # after the log line (a resumed run's log then misses no step), before an evaluation (preemption
+            # leaves little time)
+            signum = self.interrupt.requested()  # collective: every rank stops at the same step
+            if signum:
+                self._stop_interrupted(signum)
             evaluated = t.eval_every and self.step % t.eval_every == 0 and self.step != self.total_steps
             if evaluated:
                 last_eval = self.evaluate()
@@ -403,18 +457,19 @@ class Trainer:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _log(self, epoch: int, window: dict[str, float], timer: StepTimer) -> None:
-        # mean over steps since the last log line, averaged over ranks (one all-reduce per log line)
-        keys = sorted(k for k in window if not k.startswith("n_"))
-        vals = torch.tensor([window[k] / window[f"n_{k}"] for k in keys], dtype=torch.float64)
+    def _log(self, epoch: int, window: _Window, timer: StepTimer) -> None:
+        # mean over steps since the last log line, averaged over ranks (one all-reduce and the loop's one read of
+        # the device-side sums per log line)
+        keys, vals = window.means(self.accelerator.device)
         if self.world > 1 and keys:
             dist.all_reduce(vals)
             vals /= self.world
+        means = {k: v for k, v in zip(keys, vals.tolist()) if not math.isnan(v)}  # a key with no finite value
         elapsed = time.perf_counter() - timer.t0
         steps = max(timer.steps, 1)
         samples = steps * self.cfg.train.batch_size * self.cfg.train.grad_accum * self.world
         record: dict[str, Any] = {"step": self.step, "epoch": epoch}
-        record.update({k: float(v) for k, v in zip(keys, vals.tolist())})
+        record.update(means)
         record.update({"time": elapsed / steps, "data_time": timer.data / steps,
                        "samples_per_s": samples / max(elapsed, 1e-9), **memory_gb(self.accelerator.device),
                        "skipped": self.skipped_steps})
@@ -479,6 +534,8 @@ class Trainer:
                 "ema": self.ema.state() if self.ema is not None else None,
                 "scaler": self.engine.scaler.state_dict() if self.engine.scaler is not None else None})
             self.cfg.save(tmp / "config.yaml")
+            if hasattr(self.dataset, "categories"):  # detection class names, for `vtrain predict`; in the manifest
+                ckpt.write_json(tmp / ckpt.CATEGORIES, self.dataset.categories)
         self.accelerator.wait_for_everyone()
         files = self._agree(lambda: ckpt.payload_files(tmp))
         digests = ckpt.digest_share(tmp, files, self.rank, self.world)

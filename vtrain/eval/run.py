@@ -1,21 +1,77 @@
-"""`vtrain eval`: rebuild the model from a checkpoint's config.yaml and its fp32 weights (the EMA weights when the run
-kept them, else model.safetensors), evaluate."""
+"""Loading a trained model from a checkpoint (config.yaml + its fp32 weights: the EMA weights when the run kept
+them, else model.safetensors), for `vtrain eval` and `vtrain predict`, and `vtrain eval` itself."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 from safetensors.torch import load_file
+from torch import nn
 
-from vtrain.config import DataConfig, load_run_config, replace
+from vtrain.config import DataConfig, RunConfig, load_run_config, replace
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine.ema import weights_file
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict
 from vtrain.tasks import build_task, model_for_weights
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    """The checkpoint directory (checkpoints/step_<N>)."""
+    cfg: RunConfig
+    """The run's config; its `data` section is the default, the saved one is `saved_data`."""
+    saved_data: dict[str, Any]
+    model: nn.Module
+    """In eval mode, fp32, on `device`."""
+    device: torch.device
+    categories: list[dict[str, Any]] | None
+    """Detection: COCO categories (id, name) in label order, when the checkpoint has them."""
+    weights: str = "model"
+    """Which weights were loaded: ema (ema.safetensors) or model."""
+
+
+def checkpoint_task(checkpoint: str | Path) -> str:
+    """The task a checkpoint was trained for (its config.yaml), without building or verifying anything (the
+    loader verifies the checkpoint it loads)."""
+    path = ckpt.find(checkpoint)
+    if path is None:
+        raise ckpt.CheckpointError(f"--checkpoint: {checkpoint} is neither a complete checkpoint nor a run "
+                                   "directory with one")
+    return load_run_config(path / "config.yaml").task
+
+
+def load_model(checkpoint: str | Path, task_name: str | None = None, device: torch.device | None = None,
+               flag: str = "--checkpoint", task_flag: str | None = None,
+               weights_choice: str | None = None) -> LoadedModel:
+    """The model of a checkpoint (or of a run directory's newest one that verifies), built from its config.yaml
+    and loaded strictly from its model.safetensors; on CUDA when there is a GPU. Shared by `vtrain eval`,
+    `predict` and `export`. The checkpoint is verified against its manifest first: a damaged one is an error
+    naming the file. A `task_name` other than the checkpoint's is an error naming `task_flag` (default
+    `--task NAME`). `weights_choice`: ema, model or None (the EMA weights when the checkpoint has them: they are
+    what the run evaluated)."""
+    path = ckpt.find_verified(checkpoint, flag)
+    weights, used = weights_file(path, weights_choice)
+    if not weights.is_file():
+        raise VtrainError(f"{flag}: {path} has no {weights.name}")
+    cfg = load_run_config(path / "config.yaml")
+    if task_name is not None and task_name != cfg.task:
+        raise VtrainError(f"{task_flag or f'--task {task_name}'}: {path} is a {cfg.task} checkpoint")
+    saved = yaml.safe_load((path / "config.yaml").read_text()).get("data") or {}
+    sd = load_file(str(weights))
+    model = model_for_weights(cfg, {k: tuple(v.shape) for k, v in sd.items()})
+    load_strict(model, sd, flag, "weights do not match the model in config.yaml")
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    cats_file = path / ckpt.CATEGORIES
+    categories = json.loads(cats_file.read_text()) if cats_file.is_file() else None
+    return LoadedModel(path, cfg, saved, model, device, categories, used)
 
 
 def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int | None = None,
@@ -24,30 +80,22 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     """Returns (task, metrics); metrics["weights"] says which weights were evaluated (ema | model). `data` holds
     DataConfig overrides (path, val_path, pairs_file, val_ann, ...); unset values fall back to the data the run was
     trained on. `weights_choice`: ema, model or None (EMA when present)."""
-    path = ckpt.find_verified(checkpoint, "--checkpoint")
-    weights, used = weights_file(path, weights_choice)
-    if not weights.is_file():
-        raise VtrainError(f"--checkpoint: {path} has no {weights.name}")
-    cfg = load_run_config(path / "config.yaml")
-    if task_name is not None and task_name != cfg.task:
-        raise VtrainError(f"--task {task_name}: {path} is a {cfg.task} checkpoint")
-    saved = yaml.safe_load((path / "config.yaml").read_text()).get("data", {})
+    loaded = load_model(checkpoint, task_name, weights_choice=weights_choice)
+    saved, cfg = loaded.saved_data, loaded.cfg
     given = {k: v for k, v in data.items() if v is not None}
     # no --data: the run's own data (and its explicit files); a new --data root: only what is given
-    keep = () if "path" in given else ("path", "train_ann", "train_images", "val_ann", "val_images")
+    keep = () if "path" in given else ("path", "val_targets", "train_ann", "train_images", "val_ann", "val_images")
     merged = {**{k: saved[k] for k in keep if saved.get(k) is not None}, "max_size": saved.get("max_size"), **given}
     cfg = replace(cfg, data=DataConfig(**merged),
                   train=replace(cfg.train, batch_size=batch_size or cfg.train.batch_size))
     task = build_task(cfg)
-    sd = load_file(str(weights))
-    model = model_for_weights(cfg, {k: tuple(v.shape) for k, v in sd.items()})
-    load_strict(model, sd, "--checkpoint", "weights do not match the model in config.yaml")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
-    metrics = task.evaluate(lambda **inputs: model(**inputs), device, save_predictions=save_predictions)
+    model = loaded.model
+    metrics = task.evaluate(lambda **inputs: model(**inputs), loaded.device, save_predictions=save_predictions)
     if metrics is None:
+        if cfg.data.path.startswith("hf:"):
+            raise VtrainError(f"nothing to evaluate on: --data {cfg.data.path} has no validation or test split")
         hint = "--val-ann and --val-images (or --data with annotations/instances_val2017.json)" if cfg.task == "dino" \
-            else "--val-data (held-out identities) or --pairs"
+            else "--val-data (held-out identities), --pairs or --val-targets / --data X.bin (verification packs)"
         raise VtrainError(f"nothing to evaluate on: give {hint}")
-    metrics["weights"] = used
+    metrics["weights"] = loaded.weights
     return task, metrics

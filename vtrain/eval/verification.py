@@ -1,4 +1,5 @@
-"""Face verification metrics over genuine / impostor similarity scores: TAR@FAR and best accuracy.
+"""Face verification metrics: TAR@FAR and best balanced accuracy over genuine / impostor similarity scores, and
+the standard 10-fold accuracy of insightface's `.bin` packs (LFW, CFP-FP, AgeDB-30).
 
 A pair is accepted when its score is strictly above the threshold. For a target FAR x the threshold is the
 (k+1)-th highest impostor score with k = floor(x * #impostors), so that at most k impostors pass and the
@@ -64,4 +65,62 @@ def verification_metrics(scores: np.ndarray, same: np.ndarray, fars: tuple[float
         out[f"{key}/threshold"] = r.threshold
         out[f"{key}/resolvable"] = r.resolvable
     out["rows"] = [asdict(r) for r in rows]
+    return out
+
+
+# ---- the insightface / LFW 10-fold protocol (face.md §1.5) -----------------------------------------------------------
+KFOLD_THRESHOLDS = np.arange(0, 4, 0.01)
+"""Squared-Euclidean distance thresholds of unit embeddings (range 0..4), as insightface's verification.py."""
+
+
+def kfold_splits(n: int, n_folds: int = 10) -> list[np.ndarray]:
+    """Contiguous folds as sklearn's KFold(n_folds, shuffle=False): the first n % n_folds folds hold one more."""
+    if n < n_folds:
+        raise ValueError(f"{n} pairs cannot be split into {n_folds} folds")
+    sizes = np.full(n_folds, n // n_folds)
+    sizes[: n % n_folds] += 1
+    return np.split(np.arange(n), np.cumsum(sizes)[:-1])
+
+
+@dataclass
+class KFoldAccuracy:
+    mean: float
+    std: float
+    """Population std over the folds (numpy's default, as insightface reports it)."""
+    folds: list[float]
+    thresholds: list[float]
+    """Distance threshold chosen on the other folds, one per held-out fold."""
+
+
+def kfold_accuracy(dist: np.ndarray, same: np.ndarray, n_folds: int = 10,
+                   thresholds: np.ndarray = KFOLD_THRESHOLDS) -> KFoldAccuracy:
+    """Accuracy of `same = dist < threshold` with the threshold picked on n_folds - 1 folds (the first best one)
+    and scored on the held-out fold, for every fold (insightface eval/verification.py calculate_roc)."""
+    dist, same = np.asarray(dist, np.float64), np.asarray(same, bool)
+    folds = kfold_splits(len(dist), n_folds)
+    # correct[f, t]: pairs of fold f classified correctly at threshold t; one pass per fold over sorted distances
+    correct = np.empty((n_folds, len(thresholds)), np.int64)
+    for f, idx in enumerate(folds):
+        d_gen, d_imp = np.sort(dist[idx][same[idx]]), np.sort(dist[idx][~same[idx]])
+        accepted_gen = np.searchsorted(d_gen, thresholds, side="left")  # dist < t
+        rejected_imp = len(d_imp) - np.searchsorted(d_imp, thresholds, side="left")  # dist >= t
+        correct[f] = accepted_gen + rejected_imp
+    sizes = np.array([len(i) for i in folds])
+    accs, chosen = [], []
+    for f in range(n_folds):
+        train_acc = (correct.sum(0) - correct[f]) / (sizes.sum() - sizes[f])
+        best = int(np.argmax(train_acc))
+        chosen.append(float(thresholds[best]))
+        accs.append(float(correct[f, best] / sizes[f]))
+    return KFoldAccuracy(float(np.mean(accs)), float(np.std(accs)), accs, chosen)
+
+
+def pack_metrics(emb1: np.ndarray, emb2: np.ndarray, same: np.ndarray, fars: tuple[float, ...] = DEFAULT_FARS) -> dict:
+    """A `.bin` pack's numbers from the L2-normalised embeddings of its pairs: 10-fold accuracy on squared
+    Euclidean distance plus TAR@FAR / balanced accuracy on cosine similarity (= 1 - dist / 2 for unit vectors)."""
+    emb1, emb2 = np.asarray(emb1, np.float64), np.asarray(emb2, np.float64)
+    dist = np.square(emb1 - emb2).sum(1)
+    k = kfold_accuracy(dist, same)
+    out = {"acc": k.mean, "acc_std": k.std, "acc_threshold": float(np.mean(k.thresholds))}
+    out.update(verification_metrics((emb1 * emb2).sum(1), same, fars))
     return out

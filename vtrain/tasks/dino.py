@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Subset
 from vtrain.config import RunConfig
 from vtrain.data.coco import CocoDetection, collate
 from vtrain.data.demo_shapes import ensure_demo_shapes
+from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
@@ -56,6 +57,12 @@ def resolve_coco_data(data) -> CocoPaths:
     return CocoPaths(train_ann, train_images, val_ann, val_images)
 
 
+def test_sizes(image_size: int, max_size: int | None) -> tuple[int, int]:
+    """Test-time resize (evaluation and `vtrain predict`): short side image_size, long side at most max_size,
+    by default image_size * 1333 / 800 (the recipe's 800/1333, dino.md §1.1)."""
+    return image_size, max_size or round(image_size * 1333 / 800)
+
+
 class DinoTask:
     name = "dino"
     collate_fn = staticmethod(collate)
@@ -66,15 +73,23 @@ class DinoTask:
             if part not in GRAD_CKPT_PARTS:
                 raise VtrainError(f"--grad-ckpt: unknown part {part!r} for --task dino; parts: "
                                   f"{', '.join(GRAD_CKPT_PARTS)}")
-        self.paths = resolve_coco_data(cfg.data)
-        self.size = cfg.model.image_size
-        self.max_size = cfg.data.max_size or round(self.size * 1333 / 800)  # test resize 800/1333 (dino.md §1.1)
+        self.hf = HfSplits(cfg.data.path) if is_hf(cfg.data.path) else None  # --data hf:PATH (data/hf.py)
+        if self.hf is not None:
+            given = [f for f, v in (("--train-ann", cfg.data.train_ann), ("--train-images", cfg.data.train_images),
+                                    ("--val-ann", cfg.data.val_ann), ("--val-images", cfg.data.val_images)) if v]
+            if given:
+                raise VtrainError(f"{', '.join(given)}: not used with --data {cfg.data.path} (its splits are the data)")
+        self.paths = None if self.hf is not None else resolve_coco_data(cfg.data)
+        self.size, self.max_size = test_sizes(cfg.model.image_size, cfg.data.max_size)
         self._train: CocoDetection | None = None
         self._val: CocoDetection | None = None
         self.notes: list[str] = []
 
     # ---- data ---------------------------------------------------------------------------------------------
     def train_dataset(self) -> CocoDetection:
+        if self._train is None and self.hf is not None:
+            self._train = self.hf.detection("train", self.size, self.max_size, train=True, seed=self.cfg.train.seed)
+            self.notes.append(self._train.report.summary("train data"))
         if self._train is None:
             if self.paths.train_ann is None or self.paths.train_images is None:
                 raise VtrainError(f"--data: {self.cfg.data.path} is not in COCO layout "
@@ -86,7 +101,9 @@ class DinoTask:
         return self._train
 
     def val_dataset(self) -> CocoDetection | None:
-        if self._val is None and self.paths.val_ann is not None:
+        if self._val is None and self.hf is not None and self.hf.eval_split is not None:
+            self._val = self.hf.detection(self.hf.eval_split, self.size, self.max_size, train=False)
+        if self._val is None and self.paths is not None and self.paths.val_ann is not None:
             self._val = CocoDetection(self.paths.val_ann, self.paths.val_images, self.size, self.max_size,
                                       train=False)
         return self._val
@@ -164,9 +181,24 @@ class DinoTask:
         cols = ("AP", "AP50", "AP75", "APs", "APm", "APl")
         for c in cols:
             t.add_column(c, justify="right")
-        t.add_row(*("-" if metrics.get(c) is None else f"{100 * metrics[c]:.1f}" for c in cols))
+        t.add_row(*(_pct(metrics.get(c)) for c in cols))
         t.caption = f"{metrics.get('images', 0)} images, {metrics.get('detections', 0)} detections"
         return t
+
+    @staticmethod
+    def classwise_table(metrics: dict[str, Any], title: str = "COCO box AP per category") -> Table:
+        """One row per category (`per_class` of coco_box_metrics); `-` where a category has no ground truth."""
+        t = Table(title=title)
+        for c, justify in (("id", "right"), ("category", "left"), ("gt boxes", "right"), ("AP", "right"),
+                           ("AP50", "right"), ("AP75", "right")):
+            t.add_column(c, justify=justify)
+        for r in metrics.get("per_class", []):
+            t.add_row(str(r["id"]), r["name"], str(r["gt"]), _pct(r["AP"]), _pct(r["AP50"]), _pct(r["AP75"]))
+        return t
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}"
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

@@ -1,8 +1,10 @@
-"""Metric learning (face recognition): identity-folder data, embedding model with a margin head, verification."""
+"""Metric learning (face recognition): identity folders or insightface RecordIO, an embedding model with a margin
+head, verification on held-out identities, a pairs file and insightface `.bin` packs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -12,15 +14,30 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from vtrain.config import RunConfig
-from vtrain.data.faces import FaceFolder, load_image, read_pairs, resolve_face_data, sample_pairs
+from vtrain.data.faces import FaceFolder, FaceSamples, decode_rgb, load_image, read_pairs, resolve_face_data, \
+    sample_pairs, to_model_input
+from vtrain.data.recordio import RecordFaces
+from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
+from vtrain.data.verification_bin import read_bin
 from vtrain.errors import VtrainError
-from vtrain.eval.verification import verification_metrics
+from vtrain.eval.verification import pack_metrics, verification_metrics
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.metric import MetricModel
 from vtrain.tasks import build_model
 
 GRAD_CKPT_PARTS = ("backbone",)
+
+
+@dataclass
+class EvalSet:
+    """Images to embed and the pairs over them. name "" is the held-out identities / pairs file (unprefixed
+    metric keys); a `.bin` pack is named by its file stem and its keys are prefixed `<name>/`."""
+    name: str
+    images: Dataset
+    """Item i -> float CHW model input."""
+    pairs: np.ndarray
+    same: np.ndarray
 
 
 class MetricTask:
@@ -30,7 +47,9 @@ class MetricTask:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.data = resolve_face_data(cfg.data)
-        self._train: FaceFolder | None = None
+        self.hf = HfSplits(cfg.data.path) if is_hf(cfg.data.path) else None  # --data hf:PATH (data/hf.py)
+        self._train: FaceSamples | None = None
+        self._packs: dict[str, tuple[list[bytes], np.ndarray]] = {}
         self.notes: list[str] = []
         for part in cfg.model.grad_ckpt:
             if part not in GRAD_CKPT_PARTS:
@@ -38,13 +57,24 @@ class MetricTask:
                                   f"{', '.join(GRAD_CKPT_PARTS)}")
 
     # ---- data ---------------------------------------------------------------------------------------------
-    def train_dataset(self) -> FaceFolder:
+    def train_dataset(self) -> FaceSamples:
+        """A Hugging Face dataset (`hf:PATH`), RecordIO (train.rec + train.idx) or identity folders, recognised by
+        the files in --data."""
+        if self._train is None and self.hf is not None:
+            self._train = self.hf.faces("train", self.cfg.model.image_size, train=True, seed=self.cfg.train.seed)
         if self._train is None:
-            self._train = FaceFolder(self.data.train_dir, self.cfg.model.image_size, train=True,
-                                     seed=self.cfg.train.seed, skip_bad=self.cfg.data.skip_bad_images)
-            if self._train.empty_files:
-                self.notes.append(f"--skip-bad-images: left out {len(self._train.empty_files)} empty files, e.g. "
-                                  f"{self._train.empty_files[0]}")
+            d, size, seed = self.data, self.cfg.model.image_size, self.cfg.train.seed
+            if d.layout == "bin":
+                raise VtrainError(f"--data {d.root}: a verification .bin holds pairs to evaluate on, not training "
+                                  "data; train on a RecordIO dir (train.rec + train.idx) or identity folders")
+            if d.layout == "recordio":
+                self._train = RecordFaces(d.train_dir, size, train=True, seed=seed)
+            else:
+                self._train = FaceFolder(d.train_dir, size, train=True, seed=seed,
+                                         skip_bad=self.cfg.data.skip_bad_images)
+                if self._train.empty_files:
+                    self.notes.append(f"--skip-bad-images: left out {len(self._train.empty_files)} empty files, "
+                                      f"e.g. {self._train.empty_files[0]}")
         return self._train
 
     @staticmethod
@@ -79,67 +109,122 @@ class MetricTask:
                f"{len(unexpected)} {unexpected[:3]}"
 
     # ---- evaluation ---------------------------------------------------------------------------------------
-    def eval_set(self) -> tuple[list[str], np.ndarray, np.ndarray] | None:
-        """Image paths, (P, 2) pair indices and the `same` flags; None when there is nothing to verify on."""
+    def eval_sets(self) -> list[EvalSet]:
+        """The held-out identities or pairs file (if any), then every `.bin` pack of --val-targets."""
+        size, sets = self.cfg.model.image_size, []
         if self.data.pairs_file is not None:
             pairs = read_pairs(self.data.pairs_file)
             paths = sorted({p for a, b, _ in pairs for p in (a, b)})
             pos = {p: i for i, p in enumerate(paths)}
             idx = np.array([[pos[a], pos[b]] for a, b, _ in pairs])
-            return paths, idx, np.array([s for *_, s in pairs])
-        if self.data.val_dir is None:
-            return None
-        val = FaceFolder(self.data.val_dir, self.cfg.model.image_size, train=False,
-                         skip_bad=self.cfg.data.skip_bad_images)
-        idx, same = sample_pairs(val.targets, self.cfg.data.max_impostor_pairs, seed=self.cfg.train.seed)
-        return [p for p, _ in val.samples], idx, same
+            sets.append(EvalSet("", _Images(paths, load_image, size), idx, np.array([s for *_, s in pairs])))
+        elif self.hf is not None and self.hf.eval_split:  # held-out identities: the validation (or test) split
+            val = self.hf.faces(self.hf.eval_split, size, train=False)
+            idx, same = sample_pairs(val.targets, self.cfg.data.max_impostor_pairs, seed=self.cfg.train.seed)
+            sets.append(EvalSet("", _Images(list(val.samples.images), load_image, size), idx, same))
+        elif self.data.val_dir is not None:
+            val = FaceFolder(self.data.val_dir, size, train=False, skip_bad=self.cfg.data.skip_bad_images)
+            idx, same = sample_pairs(val.targets, self.cfg.data.max_impostor_pairs, seed=self.cfg.train.seed)
+            sets.append(EvalSet("", _Images([p for p, _ in val.samples], load_image, size), idx, same))
+        for name, path in self.data.val_targets:
+            if name not in self._packs:  # unpickled once per run, not at every evaluation
+                self._packs[name] = read_bin(path)
+            images, same = self._packs[name]
+            pairs = np.arange(len(images)).reshape(-1, 2)  # pair i = images 2i, 2i+1 (face.md §1.5)
+            sets.append(EvalSet(name, _Images(images, _PackImage(path), size), pairs, same))
+        return sets
 
     @torch.no_grad()
     def evaluate(self, forward: Callable[..., dict[str, torch.Tensor]], device: torch.device,
                  rank: int = 0, world: int = 1, input_dtype: torch.dtype = torch.float32,
                  save_predictions: str | None = None) -> dict[str, Any] | None:
-        """Verification over all ranks: each embeds an equal-length shard (sharded engines need every rank in
-        every forward), embeddings are gathered, rank 0 scores the pairs. Returns metrics on rank 0."""
-        es = self.eval_set()
-        if es is None:
+        """Verification over all ranks: for every set each rank embeds an equal-length shard (sharded engines
+        need every rank in every forward), embeddings are gathered, rank 0 scores the pairs. Returns metrics
+        on rank 0: the held-out set's keys as they are, a pack's prefixed with its name (`lfw/acc`, ...)."""
+        sets = self.eval_sets()
+        if not sets:
             return None
-        paths, pair_idx, same = es
-        n, bs = len(paths), self.cfg.train.batch_size
+        out: dict[str, Any] = {"rows": []}
+        for es in sets:
+            emb = self._embed(es.images, forward, device, rank, world, input_dtype)
+            if rank != 0:
+                continue
+            if es.name:
+                e1, e2 = emb[es.pairs[:, 0]].numpy(), emb[es.pairs[:, 1]].numpy()
+                m = pack_metrics(e1, e2, es.same)
+            else:
+                m = verification_metrics((emb[es.pairs[:, 0]] * emb[es.pairs[:, 1]]).sum(1).numpy(), es.same)
+            out["rows"] += [{**r, "set": es.name} for r in m.pop("rows")]
+            out.update({(f"{es.name}/{k}" if es.name else k): v for k, v in m.items()})
+        return out if rank == 0 else None
+
+    def _embed(self, images: Dataset, forward: Callable[..., dict[str, torch.Tensor]], device: torch.device,
+               rank: int, world: int, input_dtype: torch.dtype) -> torch.Tensor:
+        """L2-normalised flip-summed embeddings of all images, complete on rank 0."""
+        n = len(images)
         mine, _ = eval_shard(n, rank, world)  # padding duplicates are cut off after the gather ([:n])
-        loader = torch.utils.data.DataLoader(_Images(paths, mine, self.cfg.model.image_size), batch_size=bs,
+        loader = torch.utils.data.DataLoader(torch.utils.data.Subset(images, mine),
+                                             batch_size=self.cfg.train.batch_size,
                                              num_workers=min(self.cfg.data.num_workers, 2))
         chunks = []
         for imgs in loader:
-            imgs = imgs.to(device, input_dtype)
-            # flip test-time augmentation: sum of the embeddings of the image and its mirror (face.md §1.5)
-            emb = forward(images=imgs)["embedding"].float() + forward(images=imgs.flip(-1))["embedding"].float()
-            chunks.append(F.normalize(emb, dim=1))
+            chunks.append(flip_embeddings(forward, imgs.to(device, input_dtype)))
         local = torch.cat(chunks)
         if world > 1:
             gathered = [torch.empty_like(local) for _ in range(world)]
             dist.all_gather(gathered, local)
             local = torch.cat(gathered)
-        if rank != 0:
-            return None
-        emb = local[:n].cpu()
-        scores = (emb[pair_idx[:, 0]] * emb[pair_idx[:, 1]]).sum(1).numpy()
-        return verification_metrics(scores, same)
-
+        return local[:n].cpu()
 
     @staticmethod
     def metrics_table(metrics: dict[str, Any], title: str = "verification"):
-        from vtrain.engine.logging import verification_table
+        from rich.table import Table
 
-        return verification_table(metrics, title)
+        t = Table(title=title)
+        for col in ("set", "metric", "value", "threshold", "note"):
+            t.add_column(col)
+        for name in dict.fromkeys(r["set"] for r in metrics.get("rows", [])):
+            key = (lambda k: f"{name}/{k}") if name else (lambda k: k)  # noqa: E731
+            label = name or "held-out"
+            if name:
+                t.add_row(label, "10-fold accuracy", f"{metrics[key('acc')]:.4f} ± {metrics[key('acc_std')]:.4f}",
+                          f"{metrics[key('acc_threshold')]:.2f}", "squared L2; fold mean")
+            for r in (r for r in metrics["rows"] if r["set"] == name):
+                note = (f"FAR achieved {r['far_achieved']:.2e}" if r["resolvable"]
+                        else f"unresolvable: < {1 / r['far_target']:.0f} impostor pairs")
+                t.add_row(label, f"TAR@FAR={r['far_target']:g}", f"{r['tar']:.4f}", f"{r['threshold']:.4f}", note)
+            t.add_row(label, "best balanced accuracy", f"{metrics[key('balanced_accuracy')]:.4f}",
+                      f"{metrics[key('accuracy_threshold')]:.4f}", "")
+            t.add_row(label, "pairs", f"{metrics[key('genuine_pairs')]} genuine / {metrics[key('impostor_pairs')]} "
+                      "impostor", "", "")
+        return t
+
+
+def flip_embeddings(forward: Callable[..., dict[str, torch.Tensor]], images: torch.Tensor) -> torch.Tensor:
+    """Evaluation embeddings (also `vtrain predict --task metric`): flip test-time augmentation, the sum of the
+    embeddings of the image and its mirror (face.md §1.5), L2-normalised in fp32."""
+    emb = forward(images=images)["embedding"].float() + forward(images=images.flip(-1))["embedding"].float()
+    return F.normalize(emb, dim=1)
 
 
 class _Images(Dataset):
-    def __init__(self, paths: list[str], order: list[int], size: int) -> None:
-        self.paths, self.order, self.size = paths, order, size
+    """Model inputs of a list of image sources (paths or encoded bytes)."""
+
+    def __init__(self, sources: list, decode: Callable[[Any, int], torch.Tensor], size: int) -> None:
+        self.sources, self.decode, self.size = sources, decode, size
 
     def __len__(self) -> int:
-        return len(self.order)
+        return len(self.sources)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return load_image(self.paths[self.order[i]], self.size)
+        return self.decode(self.sources[i], self.size)
 
+
+class _PackImage:
+    """Decoder of one pack's encoded images (picklable, for DataLoader workers); errors name the pack."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __call__(self, data: bytes, size: int) -> torch.Tensor:
+        return to_model_input(decode_rgb(data, f"in {self.path}"), size)

@@ -1,55 +1,171 @@
-"""Multi-scale deformable attention (Deformable-DETR): the sampling kernel behind one function, and the module.
+"""Multi-scale deformable attention (Deformable-DETR): one op with two implementations, and the module.
 
-`ms_deform_attn` is the single replaceable kernel: a fused CUDA/Triton implementation with the same signature
-can take its place. This one is pure PyTorch (one bilinear `grid_sample` per level, zeros padding,
-align_corners=False, as the reference fallbacks in dino.md §3) and always computes in fp32 with autocast off:
-no public kernel supports bf16, and fp16 overflow in this path is the classic DINO failure (dino.md §3-4).
-Levels are accumulated one at a time instead of stacked, so only one level's sampled values are alive at once.
+`ms_deform_attn(..., impl=)` is the single entry point:
+- `triton`: the fused forward/backward in `msda_triton.py`, registered as the torch custom op
+  `vtrain::ms_deform_attn` (fake kernel + autograd), so FakeTensorMode (`vtrain estimate-memory`),
+  torch.compile and activation checkpointing all see one op that saves only value, sampling locations and
+  attention weights for backward (../shared/reference/msda_kernels.md §1.4, §7.4).
+- `pytorch`: one bilinear `grid_sample` per level (zeros padding, align_corners=False), as the reference
+  fallbacks in dino.md §3; the reference for the tests and the CPU path. It keeps every sampled value for
+  backward (about 1.8 GB per encoder layer and image at 800x1333, 5 scales).
+- `auto`: Triton for CUDA tensors in fp32/bf16/fp16, the PyTorch path otherwise (`auto_impl` changes that choice,
+  for the memory estimator tracing a GPU run on CPU).
+
+Both compute in fp32 (fp64 for fp64 inputs in the PyTorch path) and return value's dtype, so the op needs no
+fp32 island around it: sampling locations stay fp32 (coordinate math must, §1.6), value and output may be bf16.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
+
+IMPLS = ("auto", "triton", "pytorch")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_auto_override: str | None = None  # what impl="auto" resolves to inside `auto_impl`
 
 
-def ms_deform_attn(value: torch.Tensor, spatial_shapes: list[tuple[int, int]], sampling_locations: torch.Tensor,
-                   attention_weights: torch.Tensor) -> torch.Tensor:
+@contextlib.contextmanager
+def auto_impl(impl: str) -> Iterator[None]:
+    """Make `impl="auto"` mean `impl` inside the block, on every thread (the backward of checkpointed blocks
+    recomputes the forward on the autograd engine's threads). The memory estimator traces a CUDA run on fake
+    CPU tensors, where `auto` would otherwise pick the PyTorch path."""
+    global _auto_override
+    if impl not in ("triton", "pytorch"):
+        raise ValueError(f"auto_impl: choose 'triton' or 'pytorch', got {impl!r}")
+    saved, _auto_override = _auto_override, impl
+    try:
+        yield
+    finally:
+        _auto_override = saved
+
+
+def resolve_impl(impl: str, value: Tensor, sampling_locations: Tensor, attention_weights: Tensor) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"ms_deform_attn: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    supported = all(t.dtype in KERNEL_DTYPES for t in (value, sampling_locations, attention_weights))
+    if impl == "auto":
+        impl = _auto_override or ("triton" if value.device.type == "cuda" and supported else "pytorch")
+    if impl == "triton" and not supported:
+        raise ValueError("ms_deform_attn(impl='triton'): inputs must be fp32, bf16 or fp16, got "
+                         f"{value.dtype}, {sampling_locations.dtype}, {attention_weights.dtype}")
+    return impl
+
+
+def ms_deform_attn(value: Tensor, spatial_shapes: Sequence[tuple[int, int]], sampling_locations: Tensor,
+                   attention_weights: Tensor, impl: str = "auto") -> Tensor:
     """Deformable attention over a flattened multi-level feature map.
 
-    value: (B, S, H, D) with S = sum(h*w) over levels, in level order;
+    value: (B, S, M, D) with S = sum(h*w) over levels, each level row-major, in level order; padded positions
+      are expected to be zeroed by the caller (the op takes no mask, msda_kernels.md §4.1);
     spatial_shapes: [(h, w)] per level;
-    sampling_locations: (B, Q, H, L, P, 2) as (x, y) in [0, 1] of each level's (padded) map;
-    attention_weights: (B, Q, H, L, P), softmax-normalised over L*P.
-    Returns (B, Q, H*D) in fp32.
+    sampling_locations: (B, Q, M, L, P, 2) as (x, y) in [0, 1] of each level's (padded) map; values outside
+      sample zeros;
+    attention_weights: (B, Q, M, L, P), softmax-normalised over L*P by the caller.
+    Returns (B, Q, M*D) in value's dtype, computed in fp32 (fp64 for fp64 inputs on the PyTorch path).
     """
+    shapes = [int(x) for hw in spatial_shapes for x in hw]
+    loc, attn = sampling_locations, attention_weights
+    if value.dim() != 4 or loc.dim() != 6 or loc.shape[-1] != 2 or (loc.shape[0], loc.shape[2]) != \
+            (value.shape[0], value.shape[2]) or attn.shape != loc.shape[:-1]:
+        raise ValueError(f"ms_deform_attn: expected value (B, S, M, D), locations (B, Q, M, L, P, 2) and weights "
+                         f"(B, Q, M, L, P), got {tuple(value.shape)}, {tuple(loc.shape)}, {tuple(attn.shape)}")
+    if len(shapes) != 2 * loc.shape[3] or sum(h * w for h, w in zip(shapes[0::2], shapes[1::2])) != value.shape[1]:
+        raise ValueError(f"ms_deform_attn: spatial_shapes {list(spatial_shapes)} do not match value "
+                         f"{tuple(value.shape)} and {loc.shape[3]} levels of locations")
+    if resolve_impl(impl, value, loc, attn) == "triton":
+        return torch.ops.vtrain.ms_deform_attn(value, shapes, loc, attn)
+    return ms_deform_attn_pytorch(value, spatial_shapes, loc, attn)
+
+
+def ms_deform_attn_pytorch(value: Tensor, spatial_shapes: Sequence[tuple[int, int]], sampling_locations: Tensor,
+                           attention_weights: Tensor) -> Tensor:
+    """The reference: one `grid_sample` per level, levels accumulated one at a time (only one level's sampled
+    values alive at once), autocast off."""
     b, _, heads, dim = value.shape
-    _, q, _, levels, points, _ = sampling_locations.shape
+    _, q, _, _, points, _ = sampling_locations.shape
+    wide = any(t.dtype == torch.float64 for t in (value, sampling_locations, attention_weights))
+    compute = torch.float64 if wide else torch.float32
     with torch.autocast(device_type=value.device.type, enabled=False):
-        value = value.float()
-        grids = 2.0 * sampling_locations.float() - 1.0  # grid_sample works in [-1, 1]
-        weights = attention_weights.float()
-        out = value.new_zeros(b * heads, dim, q)
+        v_all = value.to(compute)
+        grids = 2.0 * sampling_locations.to(compute) - 1.0  # grid_sample works in [-1, 1]
+        weights = attention_weights.to(compute)
+        out = v_all.new_zeros(b * heads, dim, q)
         start = 0
         for lvl, (h, w) in enumerate(spatial_shapes):
-            # (B, h*w, H, D) -> (B*H, D, h, w)
-            v = value[:, start:start + h * w].permute(0, 2, 3, 1).reshape(b * heads, dim, h, w)
+            # (B, h*w, M, D) -> (B*M, D, h, w)
+            v = v_all[:, start:start + h * w].permute(0, 2, 3, 1).reshape(b * heads, dim, h, w)
             start += h * w
             g = grids[:, :, :, lvl].transpose(1, 2).reshape(b * heads, q, points, 2)
-            sampled = F.grid_sample(v, g, mode="bilinear", padding_mode="zeros", align_corners=False)  # (BH, D, Q, P)
+            sampled = F.grid_sample(v, g, mode="bilinear", padding_mode="zeros", align_corners=False)  # (BM, D, Q, P)
             wl = weights[:, :, :, lvl].transpose(1, 2).reshape(b * heads, 1, q, points)
             out = out + (sampled * wl).sum(-1)
-        return out.view(b, heads * dim, q).transpose(1, 2).contiguous()
+        return out.view(b, heads * dim, q).transpose(1, 2).contiguous().to(value.dtype)
 
 
+# ---- the custom op (Triton kernels behind it) -------------------------------------------------------------------
+# spatial_shapes travel as a flat [h0, w0, h1, w1, ...] int list: the kernels read them from a small device
+# table at run time, so a new batch shape recompiles nothing.
+@torch.library.custom_op("vtrain::ms_deform_attn", mutates_args=())
+def _op(value: Tensor, spatial_shapes: list[int], sampling_locations: Tensor, attention_weights: Tensor) -> Tensor:
+    from vtrain.models.dino import msda_triton  # imported on first use: TRITON_INTERPRET is read at import
+
+    return msda_triton.forward(value, spatial_shapes, sampling_locations, attention_weights)
+
+
+@_op.register_fake
+def _op_fake(value, spatial_shapes, sampling_locations, attention_weights):
+    b, _, m, d = value.shape
+    return value.new_empty(b, sampling_locations.shape[1], m * d)
+
+
+@torch.library.custom_op("vtrain::ms_deform_attn_backward", mutates_args=())
+def _op_backward(grad_out: Tensor, value: Tensor, spatial_shapes: list[int], sampling_locations: Tensor,
+                 attention_weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of value (fp32, the atomic-add accumulator), locations and weights (their own dtypes)."""
+    from vtrain.models.dino import msda_triton
+
+    return msda_triton.backward(grad_out, value, spatial_shapes, sampling_locations, attention_weights)
+
+
+@_op_backward.register_fake
+def _op_backward_fake(grad_out, value, spatial_shapes, sampling_locations, attention_weights):
+    return (value.new_empty(value.shape, dtype=torch.float32), sampling_locations.new_empty(sampling_locations.shape),
+            attention_weights.new_empty(attention_weights.shape))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    value, spatial_shapes, sampling_locations, attention_weights = inputs
+    ctx.save_for_backward(value, sampling_locations, attention_weights)  # the samples are recomputed
+    ctx.spatial_shapes = spatial_shapes
+
+
+def _backward(ctx, grad_out: Tensor):
+    value, loc, attn = ctx.saved_tensors
+    grad_value, grad_loc, grad_attn = torch.ops.vtrain.ms_deform_attn_backward(grad_out, value, ctx.spatial_shapes,
+                                                                               loc, attn)
+    # the fp32 accumulator is freed as soon as it is cast (a transient B*S*M*D*4 bytes at the backward's peak)
+    return grad_value.to(value.dtype), None, grad_loc, grad_attn
+
+
+_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the module ------------------------------------------------------------------------------------------------
 class MSDeformAttn(nn.Module):
     """Sampling offsets and weights predicted from the query; values projected from the flattened memory.
 
     reference_points: (B, Q, L, 2) normalised centres (encoder), or (B, Q, L, 4) boxes (decoder), where the
-    offsets are scaled by half the box size per point (Deformable-DETR / DINO decoder)."""
+    offsets are scaled by half the box size per point (Deformable-DETR / DINO decoder).
+
+    Precision: the projections run in the compute dtype (bf16 under autocast), the attention weights are a
+    fp32 softmax, the sampling locations are fp32 (fp32 reference points + offsets: a bf16 location is off by
+    whole pixels on large levels, msda_kernels.md §1.6), and the op returns value's dtype."""
 
     def __init__(self, dim: int = 256, levels: int = 4, heads: int = 8, points: int = 4) -> None:
         super().__init__()
@@ -79,8 +195,8 @@ class MSDeformAttn(nn.Module):
         nn.init.xavier_uniform_(self.output_proj.weight)
         nn.init.constant_(self.output_proj.bias, 0.0)
 
-    def forward(self, query: torch.Tensor, reference_points: torch.Tensor, value: torch.Tensor,
-                spatial_shapes: list[tuple[int, int]], padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, query: Tensor, reference_points: Tensor, value: Tensor, spatial_shapes: list[tuple[int, int]],
+                padding_mask: Tensor | None = None) -> Tensor:
         b, q, _ = query.shape
         s = value.shape[1]
         v = self.value_proj(value)
@@ -90,8 +206,8 @@ class MSDeformAttn(nn.Module):
         offsets = self.sampling_offsets(query).view(b, q, self.heads, self.levels, self.points, 2)
         weights = self.attention_weights(query).view(b, q, self.heads, self.levels * self.points)
         weights = weights.float().softmax(-1).view(b, q, self.heads, self.levels, self.points)
+        # fp32 reference points promote the (possibly bf16) offsets: the locations are fp32 without a copy
         ref = reference_points.float()
-        offsets = offsets.float()
         if ref.shape[-1] == 2:
             # offsets are in pixels of each level: normalise by (w, h)
             norm = torch.tensor([[w, h] for h, w in spatial_shapes], dtype=torch.float32, device=query.device)
@@ -100,6 +216,5 @@ class MSDeformAttn(nn.Module):
             loc = ref[:, :, None, :, None, :2] + offsets / self.points * ref[:, :, None, :, None, 2:] * 0.5
         else:
             raise ValueError(f"reference_points must end in 2 or 4 values, got {tuple(ref.shape)}")
-        out = ms_deform_attn(v, spatial_shapes, loc, weights)
-        # back to the projection's dtype (bf16 under FSDP2 mixed precision or DeepSpeed bf16; autocast casts itself)
-        return self.output_proj(out.to(self.output_proj.weight.dtype))
+        # out is in v's dtype, which is what output_proj computes in (autocast's dtype, or its own weights')
+        return self.output_proj(ms_deform_attn(v, spatial_shapes, loc, weights))

@@ -1,0 +1,70 @@
+"""Run many `python -m vtrain ARGS` commands without paying the import of torch, timm, Accelerate and DeepSpeed
+(~10 s of CPU each) every time: this process imports what the CLI imports, then forks one child per command. A
+child starts from that freshly imported state (nothing of vtrain has run yet, no thread exists), runs the CLI's own
+`main()` with the command's argv, environment and working directory, its stdout/stderr going to files, and exits as
+the interpreter would (atexit handlers, then the exit code). Used by tests that run dozens of short commands.
+
+Protocol, one JSON object per line each way: {"start": {"args", "env", "cwd", "stdout", "stderr"}} -> {"pid"} (the
+child runs on; a test may signal it), {"wait": pid} -> {"rc"} (as subprocess reports it: -N for a signal).
+"""
+
+import atexit
+import json
+import os
+import sys
+import traceback
+
+import vtrain.cli  # noqa: E402  (the modules every command imports lazily, imported once here)
+import vtrain.engine.consolidate  # noqa: F401
+import vtrain.engine.trainer  # noqa: F401
+import vtrain.eval.run  # noqa: F401
+
+
+def _child(case: dict) -> int:
+    os.chdir(case["cwd"])
+    os.environ.clear()
+    os.environ.update(case["env"])
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        f = os.open(case[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = [vtrain.cli.__file__, *case["args"]]
+    try:
+        vtrain.cli.main()
+        return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        return 1
+
+
+def _start(case: dict) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = _child(case)
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve() -> None:
+    for line in sys.stdin:
+        req = json.loads(line)
+        if "start" in req:
+            reply = {"pid": _start(req["start"])}
+        else:
+            _, status = os.waitpid(req["wait"], 0)
+            reply = {"rc": os.waitstatus_to_exitcode(status)}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    serve()

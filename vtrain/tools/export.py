@@ -1,0 +1,117 @@
+"""`vtrain export`: a metric checkpoint's embedding network (backbone + neck, no margin head) as an ONNX model.
+
+The graph takes `input`: float32 N x 3 x S x S, RGB, normalised as in training (x / 127.5 - 1, i.e. mean 127.5 and
+std 127.5 per channel on 0..255 pixels; S = the run's --image-size, 112 for faces) with a dynamic batch axis, and
+returns `embedding`: N x D, not L2-normalised (normalise before taking cosine similarities). These facts are also
+written into the model's metadata_props, so a deployment can read them instead of guessing.
+
+Exporter: torch.onnx's default since torch 2.9, the torch.export-based ("dynamo") one. It needs the `onnxscript`
+package (a pure-Python PyPI dependency, offline once installed). The TorchScript exporter (`dynamo=False`) also
+works offline without it but is deprecated and warns on every call, so it is not used. Opset 18 is the lowest
+this exporter writes (onnxruntime reads it from 1.14 on).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vtrain.errors import VtrainError
+
+OPSET = 18
+INPUT, OUTPUT = "input", "embedding"
+# the normalisation of vtrain.data.faces.to_model_input, written into the model for its users
+MEAN = STD = 127.5
+PROTOBUF_LIMIT = 2 * 2**30  # one ONNX file holds < 2 GiB
+
+
+class EmbeddingNet(nn.Module):
+    """The inference path of MetricModel (`embed`): backbone -> neck."""
+
+    def __init__(self, backbone: nn.Module, neck: nn.Module) -> None:
+        super().__init__()
+        self.backbone, self.neck = backbone, neck
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (the graph input's name)
+        return self.neck(self.backbone(input))
+
+
+@dataclass
+class ExportReport:
+    path: Path
+    checkpoint: Path
+    image_size: int
+    embedding_dim: int
+    params: int
+    external_data: bool
+    max_abs_diff: float | None
+    """onnxruntime vs PyTorch on a random batch of 3, one the export did not trace (None when not verified)."""
+
+
+def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, verify: bool = True) -> ExportReport:
+    from vtrain.eval.run import load_model
+
+    out = Path(out)
+    if out.suffix != ".onnx":
+        raise VtrainError(f"output {out}: the file name must end in .onnx")
+    loaded = load_model(checkpoint, "metric", torch.device("cpu"), flag="CHECKPOINT",
+                        task_flag="vtrain export (--task metric embedding models only)")
+    path, cfg, model = loaded.path, loaded.cfg, loaded.model
+    try:
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401  (the torch.export-based exporter's op library)
+    except ImportError as e:
+        raise VtrainError(f"vtrain export needs the `{e.name}` package: pip install onnx onnxscript onnxruntime") \
+            from None
+    net = EmbeddingNet(model.backbone, model.neck).eval()
+    size, dim = cfg.model.image_size, cfg.model.embedding_dim
+    params = sum(p.numel() for p in net.parameters())
+    external = params * 4 >= PROTOBUF_LIMIT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    example = torch.randn(2, 3, size, size)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the exporter's own chatter (deprecations inside torch.export)
+        try:
+            program = torch.onnx.export(net, (example,), dynamo=True, input_names=[INPUT], output_names=[OUTPUT],
+                                        dynamic_shapes={"input": {0: torch.export.Dim("batch")}},
+                                        opset_version=opset, verbose=False)
+        except Exception as e:
+            raise VtrainError(f"ONNX export of {path} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") \
+                from None
+    meta = {"vtrain.checkpoint": f"{path.parent.parent.name}/{path.name}", "vtrain.preset": cfg.model.preset,
+            "input_name": INPUT, "input_shape": f"N,3,{size},{size}", "input_color": "RGB",
+            "input_normalization": f"x / {MEAN} - 1 on 0..255 pixels (mean {MEAN}, std {STD} per channel)",
+            "mean": f"{MEAN},{MEAN},{MEAN}", "std": f"{STD},{STD},{STD}", "output_name": OUTPUT,
+            "embedding_dim": str(dim), "embedding_normalized": "false (L2-normalise before cosine similarity)"}
+    program.model.metadata_props.update(meta)
+    data = out.with_name(out.name + ".data")
+    data.unlink(missing_ok=True)  # a stale weights file of an earlier export would be appended to
+    program.save(out, external_data=external)  # weights of >= 2 GiB go to <out>.data (protobuf's limit)
+    import onnx
+
+    onnx.checker.check_model(str(out))
+    diff = _verify(out, net, size) if verify else None
+    return ExportReport(out, path, size, dim, params, external, diff)
+
+
+def _verify(out: Path, net: nn.Module, size: int) -> float:
+    """Run the file with onnxruntime on a batch the export did not see and compare with PyTorch."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise VtrainError("export --verify needs onnxruntime: pip install onnxruntime (or pass --no-verify)") from None
+    x = torch.rand(3, 3, size, size, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        ref = net(x).numpy()
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    got = sess.run([OUTPUT], {INPUT: x.numpy()})[0]
+    diff = float(abs(got - ref).max())
+    scale = float(abs(ref).max()) or 1.0
+    if diff > 1e-3 * scale + 1e-4:
+        raise VtrainError(f"{out}: onnxruntime output differs from PyTorch by {diff:.3g} (max |y| {scale:.3g}); "
+                          "the export is not faithful")
+    return diff

@@ -1,0 +1,268 @@
+"""`vtrain predict`: run a trained checkpoint on image files, offline, in one process (on the GPU when there is one),
+in batches, with a progress bar.
+
+- detection: `<out>/<name>.jpg` per input with the boxes above the score threshold drawn (torchvision
+  `draw_bounding_boxes`, one colour per class, "name 0.87" labels) and `<out>/predictions.json` in the COCO results
+  format (+ `file_name`). Preprocessing and post-processing are evaluation's: the test-time resize, ImageNet
+  normalisation, padded batches with masks, `postprocess` to boxes in original pixels, fp32.
+- metric: one safetensors file with `embeddings` (N, D): evaluation's flip-averaged, L2-normalised embeddings
+  (`flip_embeddings`); the input names are in its metadata (`files`, a JSON list, row order).
+
+An unreadable image stops the run with one error line naming it, rather than leaving a silent hole.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch.utils.data import DataLoader, Dataset
+from torchvision import tv_tensors
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+from vtrain.errors import VtrainError
+
+# distinct colours for up to 20 classes (then repeated): Tableau-20 order, saturated ones first
+PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207), (174, 199, 232), (255, 187, 120),
+           (152, 223, 138), (255, 152, 150), (197, 176, 213), (196, 156, 148), (247, 182, 210), (199, 199, 199),
+           (219, 219, 141), (158, 218, 229)]
+
+
+@dataclass
+class PredictReport:
+    task: str
+    images: int
+    outputs: list[Path]
+    """Detection: the drawn images and predictions.json; metric: the embeddings file."""
+    detections: int = 0
+    """Detection: boxes at or above the score threshold, over all images."""
+    device: str = "cpu"
+
+
+def find_images(inputs: list[str]) -> list[tuple[Path, str]]:
+    """(file, name) per input image, in order: a folder gives its image files (torchvision's extensions, any depth,
+    sorted, named by their path inside it), a file itself, a glob pattern its matches (named by file name)."""
+    found: list[tuple[Path, str]] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMG_EXTENSIONS)
+            if not files:
+                raise VtrainError(f"--images: no image files ({', '.join(IMG_EXTENSIONS)}) in {p}")
+            found += [(f, f.relative_to(p).as_posix()) for f in files]
+        elif p.is_file():
+            found.append((p, p.name))
+        else:
+            matches = sorted(Path(m) for m in glob.glob(item) if Path(m).is_file())
+            if not matches:
+                raise VtrainError(f"--images: no such file, folder or pattern: {item}")
+            found += [(m, m.name) for m in matches]
+    if not found:
+        raise VtrainError("--images: give at least one image file or folder")
+    return found
+
+
+class _Inputs(Dataset):
+    """`load(path)` per file; a load error comes back as a value (a DataLoader worker would wrap the exception in a
+    multi-line traceback) and is raised in the main process."""
+
+    def __init__(self, files: list[Path], load: Callable[[Path], dict[str, Any]]) -> None:
+        self.files, self.load = files, load
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        try:
+            return {**self.load(self.files[i]), "index": torch.tensor(i)}
+        except VtrainError as e:
+            return {"error": str(e)}
+
+
+def _loader(files: list[Path], load: Callable, batch_size: int, num_workers: int, collate: Callable | None,
+            device: torch.device):
+    def checked(samples: list[dict[str, Any]]):
+        bad = next((s["error"] for s in samples if "error" in s), None)
+        return {"error": bad} if bad else (collate(samples) if collate else torch.utils.data.default_collate(samples))
+
+    return DataLoader(_Inputs(files, load), batch_size=batch_size, num_workers=num_workers, collate_fn=checked,
+                      pin_memory=device.type == "cuda")
+
+
+def _progress(total: int, what: str) -> Progress:
+    from vtrain.engine.logging import console
+
+    p = Progress(TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not sys.stdout.isatty())
+    p.add_task(what, total=total)
+    return p
+
+
+def _batches(loader: DataLoader, progress: Progress):
+    with progress:
+        for batch in loader:
+            if "error" in batch:
+                raise VtrainError(batch["error"])
+            yield batch
+            progress.advance(progress.task_ids[0], len(batch["index"]))
+
+
+def _output(out: Path, is_dir: bool) -> None:
+    if is_dir and out.exists() and not out.is_dir():
+        raise VtrainError(f"--out: {out} exists and is not a folder")
+    if not is_dir and out.is_dir():
+        raise VtrainError(f"--out: {out} is a folder; give a file name such as embeddings.safetensors")
+
+
+def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: str | None = None,
+            **options: Any) -> PredictReport:
+    """Detection or embeddings, by `task` or else by the checkpoint's own task."""
+    from vtrain.eval.run import checkpoint_task
+
+    task = task or checkpoint_task(checkpoint)
+    if task == "metric":
+        options.pop("score_threshold", None)
+        if options.pop("ann", None):
+            raise VtrainError("--ann: only for detection checkpoints")
+        return predict_embeddings(checkpoint, inputs, out, **options)
+    return predict_detection(checkpoint, inputs, out, **options)
+
+
+# ---- detection ------------------------------------------------------------------------------------------------
+def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path, score_threshold: float = 0.3,
+                      batch_size: int | None = None, ann: str | None = None, num_workers: int = 2) -> PredictReport:
+    """Draw and write the detections of every input image (see the module docstring). `ann`: a COCO annotation
+    file whose `file_name`s give the image ids (and the class names if the checkpoint has none); otherwise the
+    ids are 1..N in input order."""
+    from torchvision.io import write_jpeg
+
+    from vtrain.data.coco import collate, load_coco, normalize, test_transforms
+    from vtrain.data.faces import decode_rgb
+    from vtrain.eval.coco_eval import coco_detections
+    from vtrain.eval.run import load_model
+    from vtrain.models.dino import postprocess
+    from vtrain.tasks.dino import test_sizes, write_json_atomic
+
+    if not 0.0 <= score_threshold <= 1.0:
+        raise VtrainError(f"--score-threshold: must be in [0, 1], got {score_threshold}")
+    out = Path(out)
+    _output(out, is_dir=True)
+    found = find_images(inputs)
+    names = [n for _, n in found]
+    outputs = [out / Path(n).with_suffix(".jpg") for n in names]
+    if len(set(outputs)) != len(outputs):
+        dup = next(o for o in outputs if outputs.count(o) > 1)
+        raise VtrainError(f"--images: two inputs would both be written to {dup}; give them separately")
+    coco = load_coco(ann) if ann else None
+    image_ids = _image_ids(names, coco, ann) if coco is not None else list(range(1, len(names) + 1))
+
+    loaded = load_model(checkpoint, "dino")
+    model, device = loaded.model, loaded.device
+    categories = loaded.categories or (
+        [{"id": c, "name": coco.cats[c].get("name", str(c))} for c in sorted(coco.getCatIds())] if coco else None)
+    if categories is None:  # a checkpoint written before categories.json existed, and no --ann
+        categories = [{"id": i, "name": f"class {i}"} for i in range(model.num_classes)]
+    if len(categories) != model.num_classes:
+        raise VtrainError(f"the model has {model.num_classes} classes but {len(categories)} categories are known "
+                          f"({'--ann ' + str(ann) if not loaded.categories else loaded.path})")
+    cat_ids = [c["id"] for c in categories]
+    size, max_size = test_sizes(loaded.cfg.model.image_size, loaded.saved_data.get("max_size"))
+    resize = test_transforms(size, max_size)
+
+    def load(path: Path) -> dict[str, Any]:
+        img = decode_rgb(path)
+        return {"images": normalize(resize(tv_tensors.Image(img))), "original": img,
+                "boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long), "image_id": torch.tensor(0),
+                "orig_size": torch.tensor(img.shape[-2:])}
+
+    def collate_with_originals(samples: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**collate(samples), "original": [s["original"] for s in samples]}
+
+    loader = _loader([f for f, _ in found], load, batch_size or loaded.cfg.train.batch_size, num_workers,
+                     collate_with_originals, device)
+    dets: list[dict[str, Any]] = []
+    kept = 0
+    with torch.no_grad():
+        for batch in _batches(loader, _progress(len(found), "predict")):
+            res = model(images=batch["images"].to(device), masks=batch["masks"].to(device))
+            results = postprocess(res["pred_logits"], res["pred_boxes"], batch["orig_size"].to(device))
+            for i, original, r in zip(batch["index"].tolist(), batch["original"], results):
+                keep = r["scores"] >= score_threshold
+                boxes, scores, labels = (r[k][keep].cpu() for k in ("boxes", "scores", "labels"))
+                kept += len(scores)
+                for d in coco_detections(image_ids[i], boxes.numpy(), scores.numpy(), labels.numpy(), cat_ids):
+                    dets.append({**d, "file_name": names[i]})
+                outputs[i].parent.mkdir(parents=True, exist_ok=True)
+                write_jpeg(draw(original, boxes, scores, labels, [c["name"] for c in categories]), str(outputs[i]),
+                           quality=95)
+    write_json_atomic(out / "predictions.json", dets)
+    return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device))
+
+
+def draw(image: torch.Tensor, boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
+         class_names: list[str]) -> torch.Tensor:
+    """Boxes (xyxy, image pixels) on a uint8 RGB image, one colour per class, labelled "name 0.87"."""
+    from torchvision.utils import draw_bounding_boxes
+
+    if len(boxes) == 0:
+        return image
+    h, w = image.shape[-2:]
+    boxes = boxes.clone()
+    boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w - 1)  # a box reaching past the image is drawn on its edge
+    boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h - 1)
+    colors = [PALETTE[int(c) % len(PALETTE)] for c in labels]
+    text = ["black" if 0.299 * r + 0.587 * g + 0.114 * b > 150 else "white" for r, g, b in colors]  # legible on fill
+    return draw_bounding_boxes(image, boxes, labels=[f"{class_names[int(c)]} {float(s):.2f}" for c, s in
+                                                      zip(labels, scores)],
+                               colors=colors, width=max(2, round(max(h, w) / 300)), fill_labels=True,
+                               label_colors=text)
+
+
+def _image_ids(names: list[str], coco, ann: str) -> list[int]:
+    by_name = {im["file_name"]: im["id"] for im in coco.imgs.values()}
+    ids = []
+    for n in names:
+        image_id = by_name.get(n, by_name.get(Path(n).name))
+        if image_id is None:
+            raise VtrainError(f"--ann: {ann} lists no image named {n}")
+        ids.append(image_id)
+    return ids
+
+
+# ---- metric ---------------------------------------------------------------------------------------------------
+def predict_embeddings(checkpoint: str | Path, inputs: list[str], out: str | Path, batch_size: int | None = None,
+                       num_workers: int = 2) -> PredictReport:
+    """Evaluation's embeddings of every input image, written to one safetensors file (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    from vtrain.data.faces import load_image
+    from vtrain.eval.run import load_model
+    from vtrain.tasks.metric import flip_embeddings
+
+    out = Path(out)
+    _output(out, is_dir=False)
+    found = find_images(inputs)
+    loaded = load_model(checkpoint, "metric")
+    model, device, size = loaded.model, loaded.device, loaded.cfg.model.image_size
+    loader = _loader([f for f, _ in found], lambda p: {"images": load_image(p, size)},
+                     batch_size or loaded.cfg.train.batch_size, num_workers, None, device)
+    chunks = []
+    with torch.no_grad():
+        for batch in _batches(loader, _progress(len(found), "embed")):
+            chunks.append(flip_embeddings(lambda **x: model(**x), batch["images"].to(device)).cpu())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({"embeddings": torch.cat(chunks).contiguous()}, str(tmp),
+              metadata={"files": json.dumps([n for _, n in found]), "checkpoint": str(loaded.path),
+                        "image_size": str(size)})
+    os.replace(tmp, out)
+    return PredictReport("metric", len(found), [out], device=str(device))
