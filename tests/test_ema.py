@@ -18,7 +18,7 @@ from vtrain.config import build_config
 from vtrain.engine.checkpoint import complete_checkpoints
 from vtrain.engine.consolidate import consolidate
 from vtrain.errors import ConfigError, VtrainError
-from vtrain.eval.run import evaluate_checkpoint
+from vtrain.eval.run import evaluate_checkpoint, load_model
 
 COMMON = ["--batch-size", "8", "--log-every", "1", "--num-workers", "0", "--embedding-dim", "32",
           "--head", "cosface", "--scale", "16", "--lr", "3e-3", "--mixed-precision", "no"]
@@ -80,6 +80,11 @@ def test_ema_follows_the_update_rule_survives_a_crash_and_is_what_eval_uses(face
     assert "EMA weights" in report.source.description
     ema_out = load_file(str(tmp_path / "ema.safetensors"))
     assert ema_out.keys() == last_ema.keys() and all(torch.equal(ema_out[k], last_ema[k]) for k in last_ema)
+    # `vtrain predict` and `vtrain export` load through load_model: the EMA weights by default, as eval
+    loaded = load_model(full, device=torch.device("cpu"))
+    assert loaded.weights == "ema"
+    assert all(torch.equal(v, last_ema[k]) for k, v in loaded.model.state_dict().items())
+    assert load_model(full, device=torch.device("cpu"), weights_choice="model").weights == "model"
 
 
 def test_ema_skips_nonfinite_steps_and_an_unknown_best_metric_is_one_line(faces, tmp_path):
