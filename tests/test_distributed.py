@@ -45,8 +45,13 @@ def _assert_eval_used_ema(run):
 
 
 def _assert_same_ema(a, b, **tol):
-    ea = load_file(str(complete_checkpoints(a)[-1] / "ema.safetensors"))
-    eb = load_file(str(complete_checkpoints(b)[-1] / "ema.safetensors"))
+    """The last checkpoints of runs `a` and `b` hold the same EMA."""
+    _assert_same_ema_files(complete_checkpoints(a)[-1], complete_checkpoints(b)[-1], **tol)
+
+
+def _assert_same_ema_files(ckpt_a, ckpt_b, **tol):
+    ea = load_file(str(ckpt_a / "ema.safetensors"))
+    eb = load_file(str(ckpt_b / "ema.safetensors"))
     assert ea.keys() == eb.keys()
     for k in ea:
         torch.testing.assert_close(eb[k], ea[k], msg=k, **tol)
@@ -96,6 +101,8 @@ def _assert_engine(engine, info):
         stage = 2 if engine == "zero2" else 3
         assert all(r["deepspeed_engine"] and r["zero_stage"] == stage for r in ranks)
         assert all(r["torch_autocast"] and r["param_dtype"] == "torch.float32" for r in ranks)
+        if engine == "zero2":
+            assert all(r.get("ema_local_fraction", 1.0) == 1.0 for r in ranks)  # parameters are whole at ZeRO-2
         if engine == "zero3_offload":
             assert all(r["offload_optimizer"] and r["offload_params"] for r in ranks)
             assert all(abs(r["local_param_fraction"] - 0.5) < 0.05 for r in ranks)
@@ -257,16 +264,13 @@ def test_deepspeed_universal_resume_restores_batchnorm_buffers(faces, tmp_path):
     torch.testing.assert_close(wb["neck.norm.running_mean"], wa["neck.norm.running_mean"], rtol=1e-4, atol=1e-6)
     assert int(wb["neck.norm.num_batches_tracked"]) == int(wa["neck.norm.num_batches_tracked"]) == 3
     assert metrics(moved)[-1]["lr"] == pytest.approx(metrics(full)[-1]["lr"])
-    # The EMA crosses the 2 -> 1 re-partitioning exactly: the resumed process's first update (step_3) follows the
-    # update rule from step_2's EMA (ZeRO-3 partitions gathered from 2 ranks, re-sliced for 1) and its own weights.
-    # (Not compared with the 2-process run's EMA: BatchNorm normalises 4 samples per rank there and 8 here, so the
-    # trainable weights of step 3, and with them the EMA, differ by design; the LayerNorm runs above compare those.)
+    # The EMA crosses the 2 -> 1 re-partitioning exactly. step_2 (2 processes) holds the uninterrupted run's EMA;
+    # the resumed process's first update (step_3) follows the update rule from it (ZeRO-3 partitions gathered from 2
+    # ranks, re-sliced for 1) and its own weights. It is not compared with the 2-process run's step-3 EMA: BatchNorm
+    # normalises 4 samples per rank there and 8 here, so the trainable weights of step 3 differ by design (6e-4 on
+    # backbone.blocks.0.attn.proj.bias, measured), and with them the EMA by (1 - decay) times that; the LayerNorm
+    # runs of test_resume_on_another_world_size (DDP, FSDP2, ZeRO-2) compare EMA and weights with the uninterrupted
+    # run.
+    step2 = [c for c in complete_checkpoints(full) if c.name == "step_2"][0]
+    _assert_same_ema_files(step2, complete_checkpoints(moved)[-2], rtol=0, atol=1e-6)
     _assert_ema_update(*complete_checkpoints(moved)[-2:])
-    # DIAG
-    ea = load_file(str(complete_checkpoints(full)[-1] / "ema.safetensors"))
-    eb = load_file(str(complete_checkpoints(moved)[-1] / "ema.safetensors"))
-    for k in ("backbone.blocks.0.attn.proj.bias", "head.weight"):
-        if k in wa:
-            print("DIAG", k, float((wa[k] - wb[k]).abs().max()), float((ea[k] - eb[k]).abs().max()))
-    print("DIAG max w", max(float((wa[k] - wb[k]).abs().max()) for k in wa),
-          "max ema", max(float((ea[k] - eb[k]).abs().max()) for k in ea))
