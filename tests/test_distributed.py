@@ -3,7 +3,9 @@
 Each test asserts what is really active from inside the run (run_info.json is written from the live objects
 on every rank), that ranks saw disjoint samples and only rank 0 wrote files, that the loss goes down, that
 accumulation 2 x batch b equals 1 x batch 2b, and that a hard-killed run resumed from its last checkpoint
-ends with the same weights as an uninterrupted one (for DDP, after a SIGTERM that reached one rank first).
+ends with the same weights as an uninterrupted one (for DDP, after a SIGTERM that reached one rank first). The EMA
+of the weights (--ema-decay) rides along: sharded like the parameters under FSDP2 and ZeRO-3, equal to the
+uninterrupted run's after a resume on the same or another number of processes.
 """
 
 import pytest
@@ -24,6 +26,55 @@ ENGINES = {  # engine -> (accelerate config, extra flags)
 }
 BASE = ["--num-workers", "0", "--embedding-dim", "32", "--head", "cosface", "--scale", "16", "--lr", "3e-3",
         "--log-every", "1"]
+EMA = ["--ema-decay", "0.6", "--ema-warmup", "2"]
+
+
+def _assert_eval_used_ema(run):
+    """The last in-training evaluation (fp32, all ranks, EMA swapped into the sharded model) equals `vtrain eval`'s
+    of the checkpoint's whole ema.safetensors on one plain process: the swap put the EMA into every weight the
+    forward read (ZeRO-3 keeps small parameters gathered outside their partitions)."""
+    import json
+
+    from vtrain.eval.run import evaluate_checkpoint
+
+    in_training = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()][-1]
+    _, offline = evaluate_checkpoint(run, {})
+    assert offline["weights"] == "ema"
+    for k in ("accuracy_threshold", "TAR@FAR=0.1/threshold"):
+        assert offline[k] == pytest.approx(in_training[k], abs=1e-4), k
+
+
+def _assert_same_ema(a, b, **tol):
+    """The last checkpoints of runs `a` and `b` hold the same EMA."""
+    _assert_same_ema_files(complete_checkpoints(a)[-1], complete_checkpoints(b)[-1], **tol)
+
+
+def _assert_same_ema_files(ckpt_a, ckpt_b, **tol):
+    ea = load_file(str(ckpt_a / "ema.safetensors"))
+    eb = load_file(str(ckpt_b / "ema.safetensors"))
+    assert ea.keys() == eb.keys()
+    for k in ea:
+        torch.testing.assert_close(eb[k], ea[k], msg=k, **tol)
+
+
+def _assert_ema_update(prev, cur):
+    """`cur`'s EMA is one update of `prev`'s towards `cur`'s weights: ema = d ema_prev + (1 - d) w, with the decay
+    of EMA (warm-up included) after `cur`'s count of updates; buffers are the model's own."""
+    import json
+    import math
+
+    decay, tau = float(EMA[1]), float(EMA[3])
+    k = json.loads((cur / "train_state.json").read_text())["ema"]["updates"]
+    assert k == json.loads((prev / "train_state.json").read_text())["ema"]["updates"] + 1
+    d = decay * (1 - math.exp(-k / tau))
+    e0, e1 = load_file(str(prev / "ema.safetensors")), load_file(str(cur / "ema.safetensors"))
+    w1 = load_file(str(cur / "model.safetensors"))
+    assert e0.keys() == e1.keys() == w1.keys()
+    for name in w1:
+        if name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            assert torch.equal(e1[name], w1[name]), name
+        else:
+            torch.testing.assert_close(e1[name], d * e0[name] + (1 - d) * w1[name], rtol=0, atol=1e-6, msg=name)
 
 
 def _run(engine, out, faces, *args, extra_env=None):
@@ -40,28 +91,37 @@ def _assert_engine(engine, info):
     assert not set(ranks[0]["first_batch_indices"]) & set(ranks[1]["first_batch_indices"])
     if engine == "ddp":
         assert all(r["ddp_wrapped"] for r in ranks)
+        assert all(r.get("ema_local_fraction", 1.0) == 1.0 for r in ranks)  # each rank holds the EMA whole
     elif engine == "fsdp":
         assert all(r["all_params_dtensor"] and r["fsdp_units"] >= 2 for r in ranks)
         assert all(abs(r["local_param_fraction"] - 0.5) < 0.05 for r in ranks)
+        assert all(abs(r.get("ema_local_fraction", 0.5) - 0.5) < 0.05 for r in ranks)  # the EMA is sharded too
         assert sum(r["local_param_fraction"] for r in ranks) == pytest.approx(1.0)
     else:
         stage = 2 if engine == "zero2" else 3
         assert all(r["deepspeed_engine"] and r["zero_stage"] == stage for r in ranks)
         assert all(r["torch_autocast"] and r["param_dtype"] == "torch.float32" for r in ranks)
+        if engine == "zero2":
+            assert all(r.get("ema_local_fraction", 1.0) == 1.0 for r in ranks)  # parameters are whole at ZeRO-2
         if engine == "zero3_offload":
             assert all(r["offload_optimizer"] and r["offload_params"] for r in ranks)
             assert all(abs(r["local_param_fraction"] - 0.5) < 0.05 for r in ranks)
+            assert all(abs(r.get("ema_local_fraction", 0.5) - 0.5) < 0.05 for r in ranks)
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_engine_trains_resumes_and_accumulates_correctly(engine, faces, tmp_path):
     # 1. bf16 with the BatchNorm neck (the DeepSpeed bf16 trap), micro-batch 4 x accum 2
-    args = ["--max-steps", "6", "--save-every", "2", "--batch-size", "4", "--grad-accum", "2"]
+    args = ["--max-steps", "6", "--save-every", "2", "--batch-size", "4", "--grad-accum", "2", *EMA]
     full = tmp_path / "full"
-    proc = ok(_run(engine, full, faces, *args))
+    # evaluations at steps 2 and 4 run on the EMA weights; the resume check below (a run without them) proves
+    # that the training weights came back bit for bit
+    proc = ok(_run(engine, full, faces, *args, "--eval-every", "2"))
     info = run_info(full)
     assert info["engine"] == ("deepspeed" if engine.startswith("zero") else engine)
     _assert_engine(engine, info)
+    assert all("ema_local_fraction" in r for r in info["ranks"])
+    assert "eval @ step 6 (EMA weights)" in proc.stdout
     rows = metrics(full)
     assert [r["step"] for r in rows] == list(range(1, 7))  # rank 0 alone writes the log
     assert proc.stdout.count("engine: ") == 1
@@ -70,7 +130,7 @@ def test_engine_trains_resumes_and_accumulates_correctly(engine, faces, tmp_path
     # consolidation of the final checkpoint equals the live model gathered by the engine, bit for bit, and the
     # engine's own reference tool (DeepSpeed zero_to_fp32 / torch DCP -> torch.save)
     cons = tmp_path / "consolidated.safetensors"
-    ok(vtrain("consolidate", str(full), str(cons), "--check-model"))
+    ok(vtrain("consolidate", str(full), str(cons), "--check-model", "--weights", "model"))
     got, live = load_file(str(cons)), final_weights(full)
     assert got.keys() == live.keys() and all(torch.equal(got[k], live[k]) for k in live)
     last = complete_checkpoints(full)[-1]
@@ -95,7 +155,8 @@ def test_engine_trains_resumes_and_accumulates_correctly(engine, faces, tmp_path
     if engine.startswith("zero3"):
         args += ["--mixed-precision", "no"]
         full = tmp_path / "full_fp32"
-        ok(_run(engine, full, faces, *args))
+        ok(_run(engine, full, faces, *args, "--eval-every", "2"))
+        _assert_eval_used_ema(full)
     crashed = tmp_path / "crashed"
     resume = []
     if engine == "ddp":
@@ -120,6 +181,7 @@ def test_engine_trains_resumes_and_accumulates_correctly(engine, faces, tmp_path
     a, b = final_weights(full), final_weights(crashed)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
+    _assert_same_ema(full, crashed, rtol=0, atol=1e-5)
 
     # 3. accumulation: 2 x batch 4 == 1 x batch 8 (fp32, LayerNorm neck: BatchNorm statistics depend on the
     #    micro-batch by design). grad_norm is compared before clipping, so a wrong 1/accum scale shows up.
@@ -160,7 +222,7 @@ def test_resume_on_another_world_size(engine, faces, tmp_path):
     """Saved by 2 processes (batch 4 each), resumed by 1 (batch 8): the same global batch, so the steps after
     the checkpoint see the same samples and give the same losses as the uninterrupted 2-process run. FSDP2
     reshards through DCP, ZeRO-2 through DeepSpeed's universal checkpoint."""
-    args = ["--max-steps", "4", "--save-every", "2", "--mixed-precision", "no", "--neck-norm", "ln"]
+    args = ["--max-steps", "4", "--save-every", "2", "--mixed-precision", "no", "--neck-norm", "ln", *EMA]
     full, moved = tmp_path / "full", tmp_path / "moved"
     ok(_run(engine, full, faces, *args, "--batch-size", "4"))
     proc = _run(engine, moved, faces, *args, "--batch-size", "4", extra_env={"VTRAIN_DEBUG_CRASH_AT_STEP": "3"})
@@ -179,13 +241,15 @@ def test_resume_on_another_world_size(engine, faces, tmp_path):
     wa, wb = final_weights(full), final_weights(moved)
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-4, msg=k)
+    _assert_same_ema(full, moved, rtol=1e-3, atol=1e-4)  # gathered from 2 ranks, re-sharded for 1
+    _assert_eval_used_ema(full)
 
 
 def test_deepspeed_universal_resume_restores_batchnorm_buffers(faces, tmp_path):
     """DeepSpeed's universal load leaves buffers at their fresh initialisation; vtrain restores them. With the
     same weights and samples, BatchNorm's running mean after the first resumed step is the same whether the
     batch of 8 is split over 2 processes (then averaged) or seen by 1."""
-    args = ["--max-steps", "3", "--save-every", "1", "--mixed-precision", "no", "--keep-last", "3"]
+    args = ["--max-steps", "3", "--save-every", "1", "--mixed-precision", "no", "--keep-last", "3", *EMA]
     full, moved = tmp_path / "full", tmp_path / "moved"
     ok(_run("zero3_offload", full, faces, *args, "--batch-size", "4"))
     proc = _run("zero3_offload", moved, faces, *args, "--batch-size", "4",
@@ -200,3 +264,13 @@ def test_deepspeed_universal_resume_restores_batchnorm_buffers(faces, tmp_path):
     torch.testing.assert_close(wb["neck.norm.running_mean"], wa["neck.norm.running_mean"], rtol=1e-4, atol=1e-6)
     assert int(wb["neck.norm.num_batches_tracked"]) == int(wa["neck.norm.num_batches_tracked"]) == 3
     assert metrics(moved)[-1]["lr"] == pytest.approx(metrics(full)[-1]["lr"])
+    # The EMA crosses the 2 -> 1 re-partitioning exactly. step_2 (2 processes) holds the uninterrupted run's EMA;
+    # the resumed process's first update (step_3) follows the update rule from it (ZeRO-3 partitions gathered from 2
+    # ranks, re-sliced for 1) and its own weights. It is not compared with the 2-process run's step-3 EMA: BatchNorm
+    # normalises 4 samples per rank there and 8 here, so the trainable weights of step 3 differ by design (6e-4 on
+    # backbone.blocks.0.attn.proj.bias, measured), and with them the EMA by (1 - decay) times that; the LayerNorm
+    # runs of test_resume_on_another_world_size (DDP, FSDP2, ZeRO-2) compare EMA and weights with the uninterrupted
+    # run.
+    step2 = [c for c in complete_checkpoints(full) if c.name == "step_2"][0]
+    _assert_same_ema_files(step2, complete_checkpoints(moved)[-2], rtol=0, atol=1e-6)
+    _assert_ema_update(*complete_checkpoints(moved)[-2:])

@@ -41,7 +41,7 @@ FLAG_SECTIONS: dict[str, tuple[str, ...]] = {
     "parallel": ("mixed_precision", "ds_config", "fsdp"),
     "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
               "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
-              "overwrite_output_dir"),
+              "overwrite_output_dir", "ema_decay", "ema_warmup", "keep_best", "report_to"),
 }
 
 
@@ -122,6 +122,15 @@ def train(
         help="Share of the target's tensors a --pretrained file must fill (default 0.9)")] = None,
     allow_partial_pretrained: Annotated[Optional[bool], typer.Option(
         "--allow-partial-pretrained", help="Load whatever tensors of --pretrained match, however few")] = None,
+    ema_decay: Annotated[Optional[float], typer.Option(
+        help="EMA of the weights with this decay, e.g. 0.9998 (0: off); eval and consolidate use it")] = None,
+    ema_warmup: Annotated[Optional[int], typer.Option(
+        help="EMA decay warm-up TAU steps: decay x (1 - exp(-step/TAU)) (detrex/YOLOX: 2000; 0: off)")] = None,
+    keep_best: Annotated[Optional[str], typer.Option(
+        help="Keep the best checkpoint by this eval metric (AP, tar@far=1e-3, acc; METRIC:min if lower is "
+        "better) outside --keep-last; recorded in checkpoints/best.json")] = None,
+    report_to: Annotated[Optional[str], typer.Option(
+        help="none, tensorboard (<output-dir>/tensorboard) or wandb: every logged number as a curve")] = None,
 ) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
     from vtrain.engine.interrupt import GracefulInterrupt
@@ -155,19 +164,28 @@ def evaluate(
     save_predictions: Annotated[Optional[str], typer.Option(help="Detection: write COCO results JSON here")] = None,
     classwise: Annotated[bool, typer.Option(help="Detection: AP per category (a table, and in --json)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
+    best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
+    weights: Annotated[Optional[str], typer.Option(
+        help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
     box AP."""
     from vtrain.engine.logging import console
     from vtrain.eval.run import evaluate_checkpoint
 
+    if best:
+        from vtrain.engine.best import best_checkpoint
+
+        checkpoint = best_checkpoint(checkpoint, "--checkpoint")
+        console.print(f"best checkpoint: {checkpoint}", soft_wrap=True)
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
                  "val_ann": val_ann, "val_images": val_images}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
-                                            save_predictions)
+                                            save_predictions, weights)
     if classwise and "per_class" not in metrics:
         raise VtrainError("--classwise: only for detection checkpoints")
-    console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint}"))
+    console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint} ({metrics['weights']} "
+                                                        "weights)"))
     if classwise:
         console.print(run_task.classwise_table(metrics))
     if save_predictions:
@@ -218,6 +236,9 @@ def consolidate_cmd(
     check_model: Annotated[bool, typer.Option(help="Load the result strictly into the model of config.yaml")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
+    best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
+    weights: Annotated[Optional[str], typer.Option(
+        help="ema or model (default: ema when the vtrain checkpoint has EMA weights)")] = None,
 ) -> None:
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
     if dtype not in ("fp32", "bf16", "fp16"):  # before the imports: a typo is reported at once
@@ -230,7 +251,7 @@ def consolidate_cmd(
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
-                         overwrite)
+                         overwrite, weights, best)
     console.print(f"found: {report.source.description}", soft_wrap=True)
     console.print(f"{report.tensors} tensors, {report.numel:,} elements", soft_wrap=True)
     if verbose:

@@ -25,6 +25,7 @@ TASKS = ("metric", "dino")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 SCHEDULES = ("cosine", "step", "constant")
 HEADS = ("arcface", "cosface")
+REPORT_TO = ("none", "tensorboard", "wandb")
 NECK_NORMS = ("bn", "ln", "none")
 MAX_QUERIES, MAX_DN_QUERIES = 5000, 2000
 MIN_DETECTION_SIZE = 64  # the coarsest DINO level has stride 64 (presets.py): smaller inputs leave it empty
@@ -271,6 +272,17 @@ class TrainConfig:
     """Stop after this many consecutive steps with a non-finite loss."""
     overwrite_output_dir: bool = False
     """Start a new run in an --output-dir that holds an earlier run: its checkpoints and logs are deleted."""
+    ema_decay: float = 0.0
+    """EMA of the weights with this decay (e.g. 0.9998), updated after every applied optimizer step; 0: off.
+    Evaluation, `vtrain eval` and `vtrain consolidate` then use the averaged weights."""
+    ema_warmup: int = 0
+    """EMA decay warm-up TAU in steps: decay_t = D * (1 - exp(-t / TAU)) (YOLOX / detrex use 2000); 0: off."""
+    keep_best: str | None = None
+    """Keep the checkpoint with the best value of this evaluation metric (e.g. AP, tar@far=1e-3, acc) outside
+    --keep-last pruning, recorded in checkpoints/best.json. Higher is better; append :min for a lower-is-better
+    metric (loss-like names default to :min)."""
+    report_to: str = "none"
+    """Also send every logged number and evaluation metric to tensorboard (<output-dir>/tensorboard) or wandb."""
 
     def __post_init__(self) -> None:
         _check(self.epochs is None or self.epochs > 0, "--epochs", f"must be > 0, got {self.epochs}")
@@ -289,6 +301,14 @@ class TrainConfig:
                "cannot be combined with --resume (one continues a run, the other starts a new one from weights)")
         _check(not (self.resume and self.overwrite_output_dir), "--overwrite-output-dir",
                "cannot be combined with --resume (one continues the run in --output-dir, the other deletes it)")
+        _check(0.0 <= self.ema_decay < 1.0, "--ema-decay", f"must be in [0, 1) (0: off), got {self.ema_decay}")
+        _check(0 <= self.ema_warmup <= 10**7, "--ema-warmup", f"must be in 0..10000000 steps, got {self.ema_warmup}")
+        _check(self.ema_warmup == 0 or self.ema_decay > 0, "--ema-warmup", "needs --ema-decay > 0")
+        _check(self.report_to in REPORT_TO, "--report-to", f"choose one of {REPORT_TO}")
+        if self.keep_best is not None:
+            name, _, mode = self.keep_best.rpartition(":") if ":" in self.keep_best else (self.keep_best, "", "")
+            _check(bool(name.strip()) and mode in ("", "min", "max"), "--keep-best",
+                   f"a metric name, optionally with :min or :max, got {self.keep_best!r}")
         if self.resume is not None and self.resume != "auto":
             _check(Path(self.resume).is_dir(), "--resume", f"not a checkpoint directory: {self.resume}")
         if self.resume_weights_only is not None:

@@ -2,7 +2,8 @@
 
 Readers yield (name, tensor, is_buffer) from the checkpoint's own shards without building the whole model in RAM:
 DeepSpeed ZeRO-1/2/3 from the fp32 master partitions in `*_optim_states.pt` (loaded with mmap; the Adam moments
-are never touched), FSDP2 from DCP one tensor at a time, DDP/single from `model.safetensors`. Known gaps of the
+are never touched), FSDP2 from DCP one tensor at a time, DDP/single from `model.safetensors`; the EMA weights of a
+vtrain checkpoint (the default when it has them, `--weights ema|model`) from its whole `ema.safetensors`. Known gaps of the
 reference tools that are handled here (../shared/reference/memory_ckpt.md §3-4): frozen parameters of ZeRO-1
 (taken from the saved module), frozen parameters and buffers returned in their training dtype (reported),
 tied weights (written as separate copies so safetensors accepts them).
@@ -52,9 +53,17 @@ def _ds_tag_dir(path: Path) -> Path | None:
     return None
 
 
-def detect(path: str | Path) -> Source:
+def detect(path: str | Path, weights: str | None = None) -> Source:
     """Find what kind of checkpoint `path` is (a vtrain run dir, a vtrain checkpoint, plain DeepSpeed, plain
-    Accelerate save_state, a DCP dir, or a state-dict file)."""
+    Accelerate save_state, a DCP dir, or a state-dict file). `weights` (ema | model | None: EMA when present)
+    applies to vtrain checkpoints only."""
+    src = _detect(path, weights)
+    if weights == "ema" and "EMA" not in src.description:
+        raise VtrainError(f"--weights ema: {path} is not a vtrain checkpoint with EMA weights")
+    return src
+
+
+def _detect(path: str | Path, weights: str | None) -> Source:
     p = Path(path)
     if not p.exists():
         raise VtrainError(f"{path}: no such file or directory")
@@ -63,16 +72,21 @@ def detect(path: str | Path) -> Source:
     if not any(p.iterdir()):
         raise VtrainError(f"{path}: empty directory")
     if not ckpt.is_checkpoint(p) and (p / "checkpoints").is_dir():
-        return _in_vtrain_checkpoint(ckpt.find_verified(p, "CKPT"))
+        return _in_vtrain_checkpoint(ckpt.find_verified(p, "CKPT"), weights)
     if p.name.startswith(".tmp-step_") or (any((p / n).exists() for n in (ckpt.TRAIN_STATE, ckpt.LEGACY_TRAIN_STATE))
                                            and not ckpt.is_checkpoint(p)):
         raise VtrainError(f"{path}: a half-written checkpoint (no {ckpt.COMPLETE} manifest); use an earlier one")
     if ckpt.is_checkpoint(p):
-        return _in_vtrain_checkpoint(ckpt.find_verified(p, "CKPT"))
+        return _in_vtrain_checkpoint(ckpt.find_verified(p, "CKPT"), weights)
     return _plain(p, p)
 
 
-def _in_vtrain_checkpoint(p: Path) -> Source:
+def _in_vtrain_checkpoint(p: Path, weights: str | None) -> Source:
+    from vtrain.engine.ema import weights_file
+
+    file, used = weights_file(p, weights)
+    if used == "ema":  # already whole and fp32 (gathered at save time), buffers and frozen parameters included
+        return Source("state-dict", file, f"vtrain checkpoint {p} (EMA weights {file.name})")
     src = _plain(p / "fsdp", p) if (p / "fsdp").is_dir() else _plain(p / "accelerate", p)
     src.description = f"vtrain checkpoint {p} ({src.description})"
     return src
@@ -309,11 +323,13 @@ def parse_size(text: str | None) -> int | None:
 
 def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,
                 max_shard_size: int | None = None, allow_nonfinite: bool = False,
-                check_model: bool = False, overwrite: bool = False) -> Report:
+                check_model: bool = False, overwrite: bool = False, weights: str | None = None,
+                best: bool = False) -> Report:
     """Stream `path` into `out` (.safetensors or .pt, sharded above max_shard_size), scanning every tensor
     for inf/NaN. safetensors output is written tensor by tensor as each is completed (RAM holds one tensor plus
     the reader's memory-mapped pages; `.pt` output needs the whole dict once). Nothing appears at OUT when
-    non-finite values are found (unless allowed) or the model check fails; otherwise OUT appears complete."""
+    non-finite values are found (unless allowed) or the model check fails; otherwise OUT appears complete.
+    `best`: `path` is a run directory whose checkpoints/best.json (--keep-best) names the checkpoint."""
     out = Path(out)
     if out.suffix not in (".safetensors", ".pt", ".bin"):
         raise VtrainError(f"OUT must end in .safetensors or .pt, got {out.name}")
@@ -323,7 +339,11 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
     if existing and not overwrite:
         raise VtrainError(f"OUT {existing[0]} exists; --overwrite replaces it")
     enforce_weights_only()  # DeepSpeed's checkpoint files hold its own types (safeio.py)
-    src = detect(path)
+    if best:
+        from vtrain.engine.best import best_checkpoint
+
+        path = best_checkpoint(path, "CKPT")
+    src = detect(path, weights)
     report = Report(src)
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(out, max_shard_size)

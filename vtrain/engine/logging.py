@@ -1,4 +1,5 @@
-"""Run logging on rank 0: rich progress bar with ETA, a log line every N steps, metrics.jsonl, eval.jsonl."""
+"""Run logging on rank 0: rich progress bar with ETA, a log line every N steps, metrics.jsonl, eval.jsonl, and the
+same numbers as scalars to Accelerate's trackers (TensorBoard, W&B) when --report-to asks for them."""
 
 from __future__ import annotations
 
@@ -7,21 +8,38 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import psutil
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from vtrain.errors import VtrainError
+
 console = Console(stderr=False, highlight=False)
 
 
-def peak_memory_gb(device: torch.device) -> tuple[str, float]:
-    """Peak memory of this process: allocated device memory on CUDA, peak RSS on CPU."""
+def memory_gb(device: torch.device) -> dict[str, float]:
+    """Memory of this process (GiB) for a log line. On CUDA the peaks since the previous call, allocated and
+    reserved (reserved is what nvidia-smi shows, allocator cache included), then the peaks are reset so each log
+    interval shows its own; on every device the host RSS now and the process's peak RSS."""
+    out = {}
     if device.type == "cuda":
-        return "mem_gb", torch.cuda.max_memory_allocated(device) / 2**30
-    return "rss_gb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        out["mem_alloc_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["mem_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    out["rss_gb"] = psutil.Process().memory_info().rss / 2**30
+    out["rss_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return out
+
+
+def scalars(record: dict[str, Any], prefix: str) -> dict[str, float]:
+    """The numbers of a log record as tracker scalars (`prefix/key`); bools, strings and None are left out."""
+    return {f"{prefix}/{k}": float(v) for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
 
 
 def _fmt(v: Any) -> str:
@@ -31,9 +49,12 @@ def _fmt(v: Any) -> str:
 
 
 class RunLogger:
-    def __init__(self, output_dir: str | Path, enabled: bool, total_steps: int, start_step: int) -> None:
+    def __init__(self, output_dir: str | Path, enabled: bool, total_steps: int, start_step: int,
+                 tracker: Callable[[dict[str, float], int], None] | None = None,
+                 end_tracking: Callable[[], None] | None = None) -> None:
         self.enabled = enabled
         self.out = Path(output_dir)
+        self.tracker, self.end_tracking = tracker, end_tracking
         self.progress: Progress | None = None
         if enabled:
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -55,12 +76,15 @@ class RunLogger:
             return None
         return self.progress.tasks[0].time_remaining
 
-    def log_train(self, record: dict[str, Any]) -> None:
+    def log_train(self, record: dict[str, Any], extra: dict[str, float] | None = None) -> None:
+        """`extra`: tracker-only scalars (e.g. the LR of every parameter group), too many for a log line."""
         if not self.enabled:
             return
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         console.print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), soft_wrap=True)
+        if self.tracker is not None:
+            self.tracker({**scalars(record, "train"), **(extra or {})}, record["step"])
 
     def log_eval(self, step: int, metrics: dict[str, Any], table: Table) -> None:
         if not self.enabled:
@@ -69,10 +93,15 @@ class RunLogger:
         with open(self.out / "eval.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **flat}) + "\n")
         console.print(table)
+        if self.tracker is not None:
+            self.tracker(scalars(flat, "eval"), step)
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+        if self.end_tracking is not None:  # flushes the TensorBoard writer / finishes the W&B run
+            end, self.end_tracking = self.end_tracking, None
+            end()
 
 
 def verification_table(metrics: dict[str, Any], title: str = "verification") -> Table:
@@ -101,3 +130,29 @@ class StepTimer:
 
     def add_data(self, seconds: float) -> None:
         self.data += seconds
+
+
+def tracker_name(report_to: str) -> str | None:
+    """The Accelerate tracker for --report-to, or a user error when its package is not installed."""
+    if report_to == "none":
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec(report_to) is None:
+        raise VtrainError(f"--report-to {report_to}: the {report_to} package is not installed (pip install "
+                          f"{report_to}), or use --report-to none")
+    return report_to
+
+
+def flat_hparams(config: dict[str, Any]) -> dict[str, Any]:
+    """The resolved config as tracker hyper-parameters: `section.key` -> int, float, str or bool (lists and
+    None as text; TensorBoard's hparams accept scalars only)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in flat_hparams(value).items()})
+        elif isinstance(value, (bool, int, float, str)):
+            out[key] = value
+        else:
+            out[key] = str(value)
+    return out

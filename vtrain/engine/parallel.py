@@ -46,7 +46,9 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def build_accelerator(plan: Plan, grad_accum: int) -> Accelerator:
+def build_accelerator(plan: Plan, grad_accum: int, log_with: str | None = None,
+                      project_dir: str | None = None) -> Accelerator:
+    """`log_with`: an Accelerate tracker (tensorboard, wandb) writing under `project_dir`."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, instead of DeepSpeed warning that it guessed
     if plan.kind == "deepspeed" and "RANK" not in os.environ:
@@ -78,7 +80,8 @@ def build_accelerator(plan: Plan, grad_accum: int) -> Accelerator:
     cpu_flag = cpu_only and plan.kind != "deepspeed" and plan.world_size > 1
     # Precision is applied by vtrain (autocast here, torch_autocast inside DeepSpeed), so Accelerate gets "no".
     accelerator = Accelerator(mixed_precision="no", deepspeed_plugin=ds_plugin, kwargs_handlers=handlers,
-                              cpu=cpu_flag, gradient_accumulation_steps=grad_accum)
+                              cpu=cpu_flag, gradient_accumulation_steps=grad_accum, log_with=log_with,
+                              project_dir=project_dir)
     if plan.kind == "fsdp" and not dist.is_initialized():
         # fully_shard needs a process group even for one process (Accelerate creates none for a single one)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1,

@@ -7,6 +7,7 @@ accumulation window) so tests can call it; `fit` is the loop.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -28,7 +29,9 @@ from vtrain.data.skip import SkipBadSamples, with_bad_list
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import rundir
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted, ignore_in_worker
-from vtrain.engine.logging import RunLogger, StepTimer, peak_memory_gb
+from vtrain.engine import ema as ema_mod
+from vtrain.engine.best import BestKeeper
+from vtrain.engine.logging import RunLogger, StepTimer, flat_hparams, memory_gb, tracker_name
 from vtrain.engine.optim import build_optimizer, build_scheduler, layer_decay_note
 from vtrain.engine.parallel import ParallelEngine, build_accelerator
 from vtrain.engine.plan import resolve_plan
@@ -110,7 +113,7 @@ class Trainer:
         # 1. launch plan, then the process group: everything below may run collectives.
         self.plan = resolve_plan(cfg)
         self.out = Path(t.output_dir)
-        self.accelerator = build_accelerator(self.plan, t.grad_accum)
+        self.accelerator = build_accelerator(self.plan, t.grad_accum, tracker_name(t.report_to), t.output_dir)
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
         self.interrupt.use_group(self.world)
@@ -173,6 +176,9 @@ class Trainer:
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.active = self.engine.active()
         self.engine.verify(self.active)
+        # the EMA starts from the weights as built (pretrained included); a resume below replaces it
+        self.ema = ema_mod.WeightEMA(self.engine, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
+        self.best = BestKeeper(self.out, t.keep_best, self.run_id) if t.keep_best else None
         # 8. resume (model, optimizer, RNG through the engine; step, schedule, counters here)
         self.step = 0
         self.consumed_samples = 0
@@ -182,7 +188,7 @@ class Trainer:
         self.bad_files: list[str] = []
         if self.resumed_from is not None:
             self._load(self.resumed_from)
-        self.logger = RunLogger(self.out, self.is_main, self.total_steps, self.step)
+        self.logger = RunLogger(self.out, self.is_main, self.total_steps, self.step, *self._trackers())
         self._first_batch_indices: list[int] | None = None
 
     # ---- output directory and resume ------------------------------------------------------------------------
@@ -307,9 +313,11 @@ class Trainer:
         lr = self.engine.current_lr()  # the LR this update uses, read from the optimizer that steps
         if window_ok:
             grad_norm, applied = self.engine.step(self.cfg.optim.clip_grad)
-            if applied:  # the schedule follows real updates (an fp16 overflow skip does not advance it)
+            if applied:  # the schedule and the EMA follow real updates (an fp16 overflow skip is none)
                 self.scheduler.step()
                 self.engine.set_lrs(self.scheduler.get_last_lr())
+                if self.ema is not None:
+                    self.ema.update()
             else:
                 self.overflow_skips += 1
             self.consecutive_nonfinite = 0
@@ -394,9 +402,11 @@ class Trainer:
             signum = self.interrupt.requested()  # collective: every rank stops at the same step
             if signum:
                 self._stop_interrupted(signum)
-            if t.eval_every and self.step % t.eval_every == 0 and self.step != self.total_steps:
+            evaluated = t.eval_every and self.step % t.eval_every == 0 and self.step != self.total_steps
+            if evaluated:
                 last_eval = self.evaluate()
-            if self.step % t.save_every == 0 or self.step == self.total_steps:
+            # --keep-best: every evaluated step gets a checkpoint, so the best one exists to be kept
+            if self.step % t.save_every == 0 or self.step == self.total_steps or (evaluated and self.best):
                 self.save()
         if epoch is not None:
             self._report_bad_files(epoch)
@@ -457,19 +467,22 @@ class Trainer:
         means = {k: v for k, v in zip(keys, vals.tolist()) if not math.isnan(v)}  # a key with no finite value
         elapsed = time.perf_counter() - timer.t0
         steps = max(timer.steps, 1)
-        mem_key, mem = peak_memory_gb(self.accelerator.device)
         samples = steps * self.cfg.train.batch_size * self.cfg.train.grad_accum * self.world
         record: dict[str, Any] = {"step": self.step, "epoch": epoch}
         record.update(means)
         record.update({"time": elapsed / steps, "data_time": timer.data / steps,
-                       "samples_per_s": samples / max(elapsed, 1e-9), mem_key: mem, "skipped": self.skipped_steps})
+                       "samples_per_s": samples / max(elapsed, 1e-9), **memory_gb(self.accelerator.device),
+                       "skipped": self.skipped_steps})
         if self.engine.scaler is not None or self.plan.ds_precision_mode == "fp16":
             record["overflow_skips"] = self.overflow_skips
         eta = self.logger.eta_seconds()
         if eta is None and self.step:
             eta = (self.total_steps - self.step) * elapsed / steps
         record["eta_s"] = round(eta or 0.0, 1)
-        self.logger.log_train(record)
+        if self.ema is not None:
+            record["ema_decay"] = self.ema.current_decay()
+        lrs = self.scheduler.get_last_lr()  # every group's LR for the trackers (one line would be too long)
+        self.logger.log_train(record, {f"lr/group_{i}": lr for i, lr in enumerate(lrs)} if len(lrs) > 1 else None)
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any] | None:
@@ -480,13 +493,20 @@ class Trainer:
                 with self.engine.forward_context():
                     return self.model(**inputs)
 
-            metrics = self.task.evaluate(forward, self.accelerator.device, self.rank, self.world,
-                                         self.engine.input_dtype)
+            with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
+                metrics = self.task.evaluate(forward, self.accelerator.device, self.rank, self.world,
+                                             self.engine.input_dtype)
         finally:
             self.model.train()
         if metrics is not None:
-            self.logger.log_eval(self.step, metrics, self.task.metrics_table(metrics, f"{self.task.name} eval @ step "
-                                                                                      f"{self.step}"))
+            weights = " (EMA weights)" if self.ema is not None else ""
+            self.logger.log_eval(self.step, metrics, self.task.metrics_table(
+                metrics, f"{self.task.name} eval @ step {self.step}{weights}"))
+        if self.best is not None and self._agree(lambda: self.best.consider(self.step, metrics)):
+            if self.is_main:
+                self.best.write()  # now if this step is saved already (the last one), else after its save
+                self.logger.info(f"--keep-best: new best {self.best.best['metric']} = {self.best.best['value']:.4g} "
+                                 f"at step {self.step}")
         return metrics
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
@@ -500,14 +520,18 @@ class Trainer:
         self.engine.sync_buffers()
         self.engine.save(tmp)
         full = self.engine.full_state_dict()  # collective (FSDP2 / ZeRO-3 gather)
+        ema_full = self.ema.full_state_dict(full) if self.ema is not None else None  # collective, whole on rank 0
         _debug_crash("VTRAIN_DEBUG_CRASH_IN_SAVE", self.step)
         if self.is_main:
             save_file(full, str(tmp / "model.safetensors"))
+            if ema_full is not None:
+                save_file(ema_full, str(tmp / ema_mod.FILE), metadata={k: str(v) for k, v in self.ema.state().items()})
             ckpt.write_json(tmp / ckpt.TRAIN_STATE, {
                 "step": self.step, "consumed_samples": self.consumed_samples,
                 "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps,
                 "overflow_skips": self.overflow_skips, "consecutive_nonfinite": self.consecutive_nonfinite,
                 "world_size": self.world, "engine": self.plan.kind,
+                "ema": self.ema.state() if self.ema is not None else None,
                 "scaler": self.engine.scaler.state_dict() if self.engine.scaler is not None else None})
             self.cfg.save(tmp / "config.yaml")
             if hasattr(self.dataset, "categories"):  # detection class names, for `vtrain predict`; in the manifest
@@ -521,7 +545,10 @@ class Trainer:
             digests = {k: v for share in shares for k, v in share.items()}
         final = ckpt.final_path(self.out, self.step)
         if self.is_main:
-            final = ckpt.commit(self.out, self.step, self.run_id, digests, t.keep_last)
+            final = ckpt.commit(self.out, self.step, self.run_id, digests, t.keep_last,
+                                protect=self.best.protect() if self.best is not None else ())
+            if self.best is not None:
+                self.best.write()
             self.logger.info(f"saved {final}")
         self.accelerator.wait_for_everyone()
         return final
@@ -555,10 +582,41 @@ class Trainer:
         self.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
         if self.engine.scaler is not None and state.get("scaler"):
             self.engine.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:
+            if (path / ema_mod.FILE).is_file() and state.get("ema"):
+                self.ema.load(path / ema_mod.FILE, state["ema"])  # re-sharded for this run's processes
+            else:
+                self.logger_notes.append(f"--ema-decay: {path} holds no EMA; the average starts from its weights")
+        elif state.get("ema"):
+            self.logger_notes.append(f"{path} holds EMA weights; this run has no --ema-decay and drops them")
+        if self.best is not None and self.is_main:
+            note = self.best.restore(self.step)
+            if note:
+                self.logger_notes.append(note)
+
+    def _trackers(self) -> tuple:
+        """--report-to: Accelerate's trackers (rank 0 only) with the resolved config as hyper-parameters; the
+        logger sends every log line and evaluation to them and ends them on close."""
+        if self.cfg.train.report_to == "none":
+            return None, None
+        name = self.cfg.train.report_to
+        kwargs = {"wandb": {"dir": str(self.out), "name": self.out.name, "id": self.run_id, "resume": "allow"}}
+        # TensorBoard writes <output-dir>/tensorboard/ (`tensorboard --logdir` on the run or its parent dir)
+        self.accelerator.init_trackers("tensorboard" if name == "tensorboard" else "vtrain",
+                                       config=flat_hparams(self.cfg.to_dict()),
+                                       init_kwargs={k: v for k, v in kwargs.items() if k == name})
+
+        def finish() -> None:  # not accelerator.end_training: that also destroys the process group
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
+
+        return self.accelerator.log, finish
 
     def _write_run_info(self) -> None:
         """What is really active on every rank (read from live objects), for users and tests."""
         mine = {**self.active, "first_batch_indices": self._first_batch_indices}
+        if self.ema is not None:
+            mine["ema_local_fraction"] = self.ema.local_fraction()
         infos = [None] * self.world
         if self.world > 1:
             dist.all_gather_object(infos, mine)

@@ -1,5 +1,5 @@
-"""Loading a trained model from a checkpoint (config.yaml + fp32 model.safetensors), for `vtrain eval` and
-`vtrain predict`, and `vtrain eval` itself."""
+"""Loading a trained model from a checkpoint (config.yaml + its fp32 weights: the EMA weights when the run kept
+them, else model.safetensors), for `vtrain eval` and `vtrain predict`, and `vtrain eval` itself."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch import nn
 
 from vtrain.config import DataConfig, RunConfig, load_run_config, replace
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.ema import weights_file
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict
 from vtrain.tasks import build_task, model_for_weights
@@ -32,6 +33,8 @@ class LoadedModel:
     device: torch.device
     categories: list[dict[str, Any]] | None
     """Detection: COCO categories (id, name) in label order, when the checkpoint has them."""
+    weights: str = "model"
+    """Which weights were loaded: ema (ema.safetensors) or model."""
 
 
 def checkpoint_task(checkpoint: str | Path) -> str:
@@ -45,16 +48,18 @@ def checkpoint_task(checkpoint: str | Path) -> str:
 
 
 def load_model(checkpoint: str | Path, task_name: str | None = None, device: torch.device | None = None,
-               flag: str = "--checkpoint", task_flag: str | None = None) -> LoadedModel:
+               flag: str = "--checkpoint", task_flag: str | None = None,
+               weights_choice: str | None = None) -> LoadedModel:
     """The model of a checkpoint (or of a run directory's newest one that verifies), built from its config.yaml
     and loaded strictly from its model.safetensors; on CUDA when there is a GPU. Shared by `vtrain eval`,
     `predict` and `export`. The checkpoint is verified against its manifest first: a damaged one is an error
     naming the file. A `task_name` other than the checkpoint's is an error naming `task_flag` (default
-    `--task NAME`)."""
+    `--task NAME`). `weights_choice`: ema, model or None (the EMA weights when the checkpoint has them: they are
+    what the run evaluated)."""
     path = ckpt.find_verified(checkpoint, flag)
-    weights = path / "model.safetensors"
+    weights, used = weights_file(path, weights_choice)
     if not weights.is_file():
-        raise VtrainError(f"{flag}: {path} has no model.safetensors")
+        raise VtrainError(f"{flag}: {path} has no {weights.name}")
     cfg = load_run_config(path / "config.yaml")
     if task_name is not None and task_name != cfg.task:
         raise VtrainError(f"{task_flag or f'--task {task_name}'}: {path} is a {cfg.task} checkpoint")
@@ -66,14 +71,16 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     model.to(device).eval()
     cats_file = path / ckpt.CATEGORIES
     categories = json.loads(cats_file.read_text()) if cats_file.is_file() else None
-    return LoadedModel(path, cfg, saved, model, device, categories)
+    return LoadedModel(path, cfg, saved, model, device, categories, used)
 
 
 def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int | None = None,
-                        task_name: str | None = None, save_predictions: str | None = None) -> tuple[Any, dict]:
-    """Returns (task, metrics). `data` holds DataConfig overrides (path, val_path, pairs_file, val_ann, ...);
-    unset values fall back to the data the run was trained on."""
-    loaded = load_model(checkpoint, task_name)
+                        task_name: str | None = None, save_predictions: str | None = None,
+                        weights_choice: str | None = None) -> tuple[Any, dict]:
+    """Returns (task, metrics); metrics["weights"] says which weights were evaluated (ema | model). `data` holds
+    DataConfig overrides (path, val_path, pairs_file, val_ann, ...); unset values fall back to the data the run was
+    trained on. `weights_choice`: ema, model or None (EMA when present)."""
+    loaded = load_model(checkpoint, task_name, weights_choice=weights_choice)
     saved, cfg = loaded.saved_data, loaded.cfg
     given = {k: v for k, v in data.items() if v is not None}
     # no --data: the run's own data (and its explicit files); a new --data root: only what is given
@@ -90,4 +97,5 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
         hint = "--val-ann and --val-images (or --data with annotations/instances_val2017.json)" if cfg.task == "dino" \
             else "--val-data (held-out identities), --pairs or --val-targets / --data X.bin (verification packs)"
         raise VtrainError(f"nothing to evaluate on: give {hint}")
+    metrics["weights"] = loaded.weights
     return task, metrics
