@@ -33,7 +33,7 @@ class Precision(str, Enum):
 # config fields that have a flag of their own, per section (the others are set in a --config file only)
 FLAG_SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
-              "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
+              "head_parallel", "sample_rate", "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
               "allow_partial_pretrained"),
     "data": ("path", "num_workers", "val_path", "pairs_file", "val_targets", "train_ann", "train_images", "val_ann",
              "val_images", "max_size", "skip_bad_images"),
@@ -98,6 +98,11 @@ def train(
     head: Annotated[Optional[str], typer.Option(help="Margin head: arcface or cosface")] = None,
     margin: Annotated[Optional[float], typer.Option(help="Margin m")] = None,
     scale: Annotated[Optional[float], typer.Option(help="Logit scale s")] = None,
+    head_parallel: Annotated[Optional[str], typer.Option(
+        help="Metric head: none (one replicated head inside the model) or sharded (class ranges split over the "
+        "processes, outside DDP/FSDP/ZeRO; Partial FC)")] = None,
+    sample_rate: Annotated[Optional[float], typer.Option(
+        help="Share of negative classes per rank and step with --head-parallel sharded (1.0: full softmax)")] = None,
     drop_path: Annotated[Optional[float], typer.Option(help="Stochastic depth rate")] = None,
     num_workers: Annotated[Optional[int], typer.Option(help="Data loader workers per process")] = None,
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out identity tree")] = None,
