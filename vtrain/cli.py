@@ -222,6 +222,8 @@ def consolidate_cmd(
     allow_nonfinite: Annotated[bool, typer.Option(help="Write even when tensors hold inf/NaN")] = False,
     check_model: Annotated[bool, typer.Option(help="Load the result strictly into the model of config.yaml")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists")] = False,
+    backbone_only: Annotated[bool, typer.Option(
+        help="Metric: leave the class head out (backbone + embedding neck, what inference needs)")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
 ) -> None:
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
@@ -235,7 +237,7 @@ def consolidate_cmd(
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
-                         overwrite)
+                         overwrite, backbone_only)
     console.print(f"found: {report.source.description}", soft_wrap=True)
     console.print(f"{report.tensors} tensors, {report.numel:,} elements", soft_wrap=True)
     if verbose:

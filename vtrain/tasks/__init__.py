@@ -48,4 +48,5 @@ def model_for_weights(cfg: RunConfig, shapes: dict[str, tuple[int, ...]]) -> nn.
         from dataclasses import replace
 
         cfg = replace(cfg, model=replace(cfg.model, head_parallel="none", sample_rate=1.0))
-    return build_model(cfg.task, cfg.model, shapes[head][0] if head in shapes else 1)
+    # a metric file without head.weight (sharded-head checkpoints, `consolidate --backbone-only`): no head
+    return build_model(cfg.task, cfg.model, shapes[head][0] if head in shapes else (0 if cfg.task == "metric" else 1))
