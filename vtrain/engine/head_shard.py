@@ -41,7 +41,8 @@ class ShardedHead:
                               "processes")
         self.fc = PartialFC(m.embedding_dim, num_classes, m.head, m.margin, m.scale, m.sample_rate, rank,
                             world).to(device)
-        self.world = world
+        self.world = dist.get_world_size() if dist.is_initialized() else 1  # collectives (a benchmark may
+        # build the shard of a simulated `world` in one process)
         self.lr, self.weight_decay, self.betas = o.lr, o.weight_decay, o.betas
         w = self.fc.weight
         self.exp_avg = torch.zeros_like(w, memory_format=torch.contiguous_format)
