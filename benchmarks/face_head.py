@@ -122,7 +122,8 @@ def main() -> None:
     mem = "peak allocated MiB" if args.gpu else "process peak RSS MiB (one process per row)"
     lines = [f"# face head benchmark ({dev})", "", f"{preset}, micro-batch {batch}, simulated world {world} "
              "for sharded rows (one rank's cost, no communication).", "",
-             f"| identities | head | sample rate | images/s | {mem} | head rows on this rank |", "|---|---|---|---|---|---|"]
+             f"| identities | head | sample rate | images/s | {mem} | head rows on this rank |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {r['classes']:,} | {r['mode']} | {r['sample_rate']} | {r['images_per_s']:.1f} | {r['peak_mb']:.0f} "
               f"| {r['head_rows_this_rank']:,} |" for r in rows]
     (out / f"face_head_{tag}{suffix}.md").write_text("\n".join(lines) + "\n")

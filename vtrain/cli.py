@@ -33,8 +33,8 @@ class Precision(str, Enum):
 # config fields that have a flag of their own, per section (the others are set in a --config file only)
 FLAG_SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
-              "head_parallel", "sample_rate", "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
-              "allow_partial_pretrained"),
+              "head_parallel", "sample_rate", "drop_path", "grad_ckpt", "num_queries", "dn_queries",
+              "pretrained_min_match", "allow_partial_pretrained"),
     "data": ("path", "num_workers", "val_path", "pairs_file", "val_targets", "train_ann", "train_images", "val_ann",
              "val_images", "max_size", "skip_bad_images"),
     "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad", "layer_decay"),

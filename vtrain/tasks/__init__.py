@@ -32,7 +32,8 @@ def build_model(task: str, m: ModelConfig, num_classes: int) -> nn.Module:
     from vtrain.models.metric import MetricModel
 
     # --head-parallel sharded: the head lives outside the model (engine/head_shard.py)
-    model = MetricModel(m.preset, 0 if m.head_parallel == "sharded" else num_classes, m.image_size, m.embedding_dim, m.neck_norm, m.head, m.margin, m.scale,
+    classes = 0 if m.head_parallel == "sharded" else num_classes
+    model = MetricModel(m.preset, classes, m.image_size, m.embedding_dim, m.neck_norm, m.head, m.margin, m.scale,
                         m.drop_path)
     if "backbone" in m.grad_ckpt:
         set_backbone_checkpointing(model.backbone)
