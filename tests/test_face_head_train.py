@@ -67,3 +67,13 @@ def test_zero2_keeps_the_sharded_head_out_of_zero(faces, tmp_path):
     assert info["engine"] == "deepspeed" and all(r["zero_stage"] == 2 for r in info["ranks"])
     _assert_head(info, "deepspeed_engine")
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in metrics(run))
+
+
+def test_fsdp2_keeps_the_sharded_head_out_of_fsdp(faces, tmp_path):
+    run = tmp_path / "fsdp"
+    ok(launch(2, "train", "--data", str(faces), "--output-dir", str(run), *BASE, "--max-steps", "2",
+              "--save-every", "2", "--batch-size", "4", "--sample-rate", "0.5", accelerate_config="fsdp.yaml"))
+    info = run_info(run)
+    assert info["engine"] == "fsdp"
+    _assert_head(info, "all_params_dtensor")  # the backbone's parameters are DTensors, the head's are not
+    assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in metrics(run))
