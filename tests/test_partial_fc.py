@@ -198,3 +198,20 @@ def test_config_rejects_bad_head_flags():
         ModelConfig(sample_rate=0.5)
     with pytest.raises(VtrainError, match="--head-parallel"):
         ModelConfig(head_parallel="ring")
+
+
+def test_full_head_weight_is_split_into_rank_rows():
+    """A consolidated head.weight (--pretrained / --resume-weights-only) gives each rank its rows."""
+    from vtrain.errors import VtrainError
+
+    full = torch.randn(C, D)
+    for r in range(2):
+        h = ShardedHead(_cfg(), C, r, 2, torch.device("cpu"))
+        sd = {"head.weight": full.clone(), "neck.proj.weight": torch.zeros(1)}
+        assert "loaded" in h.take_rows(sd)
+        s, n = shard_range(C, r, 2)
+        assert torch.equal(h.fc.weight.detach(), full[s:s + n]) and "head.weight" not in sd
+    h = ShardedHead(_cfg(), C, 0, 1, torch.device("cpu"))
+    assert "re-initialised" in h.take_rows({"head.weight": torch.randn(C + 1, D)})
+    with pytest.raises(VtrainError, match="head.weight is none"):
+        h.take_rows({}, required=True)

@@ -142,6 +142,22 @@ class ShardedHead:
             self.row_steps.copy_(rows["row_steps"])
 
 
+    def take_rows(self, sd: dict[str, torch.Tensor], required: bool = False) -> str:
+        """Pop a full `head.weight` (a consolidated file) from `sd` and load this rank's rows of it (fresh optimizer
+        state). Returns a note for the log; `required`: a missing or misfit head is an error, else a note."""
+        full = sd.pop("head.weight", None)
+        want = (self.fc.num_classes, self.fc.weight.shape[1])
+        if full is None or tuple(full.shape) != want:
+            got = "none" if full is None else tuple(full.shape)
+            if required:
+                raise VtrainError(f"--resume-weights-only: head.weight is {got}, this run's head is {want}")
+            return f"; sharded head re-initialised (the file's head.weight: {got}, needed {want})"
+        s, n = self.fc.class_start, self.fc.num_local
+        with torch.no_grad():
+            self.fc.weight.copy_(full[s:s + n].float())
+        return f"; sharded head: classes {s}..{s + n} of head.weight loaded"
+
+
 def shard_name(start: int, n: int) -> str:
     return f"classes_{start:09d}-{start + n:09d}.safetensors"
 

@@ -137,15 +137,19 @@ class Trainer:
             dataset = self.task.train_dataset()
         # 4. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
         model = self.task.build_model()
+        # --head-parallel sharded: this rank's class shard, built beside (never inside) the model the engine wraps
+        self.head = head_shard.build(cfg, dataset, self.rank, self.world, self.accelerator.device, self.plan)
         self.pretrained_msg = ""
         if cfg.model.pretrained and self.resumed_from is None:
             self.pretrained_msg = self.task.load_pretrained(model)
+            if self.head is not None:  # a full model file's head.weight (consolidated): this rank's rows
+                self.pretrained_msg += self.head.take_rows(read_state_dict(cfg.model.pretrained))
         if t.resume_weights_only:
-            load_strict(model, read_state_dict(t.resume_weights_only), "--resume-weights-only",
-                        f"{t.resume_weights_only} does not fit this model")
-            self.pretrained_msg = f"weights loaded from {t.resume_weights_only} (fresh optimizer and schedule)"
-        # --head-parallel sharded: this rank's class shard, built beside (never inside) the model the engine wraps
-        self.head = head_shard.build(cfg, dataset, self.rank, self.world, self.accelerator.device, self.plan)
+            sd = read_state_dict(t.resume_weights_only)
+            head_msg = self.head.take_rows(sd, required=True) if self.head is not None else ""
+            load_strict(model, sd, "--resume-weights-only", f"{t.resume_weights_only} does not fit this model")
+            self.pretrained_msg = f"weights loaded from {t.resume_weights_only} (fresh optimizer and schedule)" + \
+                head_msg
         self.engine = ParallelEngine(self.plan, self.accelerator)
         # A ZeRO checkpoint of another world size is loaded in DeepSpeed's universal format, which must be
         # configured before the engine exists (prepare, below).
