@@ -63,7 +63,8 @@ def _worker(rank, port, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        q.put((rank, [_sharded(rank, 2, kind, r) for kind, r in CASES]))
+        # numpy: pickled by value (a torch tensor goes through a shared-memory handle that dies with this process)
+        q.put((rank, [[t.numpy() for t in _sharded(rank, 2, kind, r)] for kind, r in CASES]))
     finally:
         dist.destroy_process_group()
 
@@ -101,7 +102,8 @@ def test_two_shards_equal_margin_head():
     procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=300) for _ in procs)
+    got = {rank: [[torch.from_numpy(a) for a in case] for case in cases]
+           for rank, cases in (q.get(timeout=300) for _ in procs)}
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
