@@ -20,6 +20,7 @@ demo: $(STAMP)
 	rm -rf runs/demo
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/vtrain train --task metric --model debug --data demo \
 		--output-dir runs/demo --max-steps 300 --batch-size 64 --head cosface --scale 32 --lr 3e-3 \
+		--head-parallel sharded --sample-rate 0.5 \
 		--weight-decay 0.05 --warmup-steps 20 --mixed-precision bf16 \
 		--log-every 25 --eval-every 150 --save-every 150 --keep-last 2
 	$(VENV)/bin/vtrain eval --checkpoint runs/demo --data demo

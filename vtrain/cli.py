@@ -33,8 +33,8 @@ class Precision(str, Enum):
 # config fields that have a flag of their own, per section (the others are set in a --config file only)
 FLAG_SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
-              "drop_path", "grad_ckpt", "num_queries", "dn_queries", "pretrained_min_match",
-              "allow_partial_pretrained"),
+              "head_parallel", "sample_rate", "drop_path", "grad_ckpt", "num_queries", "dn_queries",
+              "pretrained_min_match", "allow_partial_pretrained"),
     "data": ("path", "num_workers", "val_path", "pairs_file", "val_targets", "train_ann", "train_images", "val_ann",
              "val_images", "max_size", "skip_bad_images"),
     "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad", "layer_decay"),
@@ -98,6 +98,11 @@ def train(
     head: Annotated[Optional[str], typer.Option(help="Margin head: arcface or cosface")] = None,
     margin: Annotated[Optional[float], typer.Option(help="Margin m")] = None,
     scale: Annotated[Optional[float], typer.Option(help="Logit scale s")] = None,
+    head_parallel: Annotated[Optional[str], typer.Option(
+        help="Metric head: none (one replicated head inside the model) or sharded (class ranges split over the "
+        "processes, outside DDP/FSDP/ZeRO; Partial FC)")] = None,
+    sample_rate: Annotated[Optional[float], typer.Option(
+        help="Share of negative classes per rank and step with --head-parallel sharded (1.0: full softmax)")] = None,
     drop_path: Annotated[Optional[float], typer.Option(help="Stochastic depth rate")] = None,
     num_workers: Annotated[Optional[int], typer.Option(help="Data loader workers per process")] = None,
     val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out identity tree")] = None,
@@ -235,6 +240,8 @@ def consolidate_cmd(
     allow_nonfinite: Annotated[bool, typer.Option(help="Write even when tensors hold inf/NaN")] = False,
     check_model: Annotated[bool, typer.Option(help="Load the result strictly into the model of config.yaml")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists")] = False,
+    backbone_only: Annotated[bool, typer.Option(
+        help="Metric: leave the class head out (backbone + embedding neck, what inference needs)")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
     best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
     weights: Annotated[Optional[str], typer.Option(
@@ -251,7 +258,7 @@ def consolidate_cmd(
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
-                         overwrite, weights, best)
+                         overwrite, weights, best, backbone_only)
     console.print(f"found: {report.source.description}", soft_wrap=True)
     console.print(f"{report.tensors} tensors, {report.numel:,} elements", soft_wrap=True)
     if verbose:

@@ -26,6 +26,7 @@ PRECISIONS = ("auto", "no", "bf16", "fp16")
 SCHEDULES = ("cosine", "step", "constant")
 HEADS = ("arcface", "cosface")
 REPORT_TO = ("none", "tensorboard", "wandb")
+HEAD_PARALLEL = ("none", "sharded")
 NECK_NORMS = ("bn", "ln", "none")
 MAX_QUERIES, MAX_DN_QUERIES = 5000, 2000
 MIN_DETECTION_SIZE = 64  # the coarsest DINO level has stride 64 (presets.py): smaller inputs leave it empty
@@ -85,6 +86,12 @@ class ModelConfig:
     margin: float | None = None
     """Margin m; defaults to 0.5 for ArcFace and 0.4 for CosFace (face.md §1.1)."""
     scale: float = 64.0
+    head_parallel: str = "none"
+    """Metric head: `none`, one head inside the model (replicated under DDP, partitioned under ZeRO-3/FSDP2);
+    `sharded`, each process owns a contiguous class range outside the engine (Partial FC, engine/head_shard.py)."""
+    sample_rate: float = 1.0
+    """With --head-parallel sharded: positives plus random negatives up to this share of each rank's classes per
+    step (Partial FC); 1.0 is the full softmax. Below 1 it needs sharded (the replicated head has no sampling)."""
     drop_path: float | None = None
     grad_ckpt: list[str] = field(default_factory=list)
     """Parts to checkpoint (activation recomputation), e.g. ["backbone"]."""
@@ -109,6 +116,10 @@ class ModelConfig:
             self.margin = 0.5 if self.head == "arcface" else 0.4
         _check(0.0 <= self.margin < 1.5, "--margin", f"must be in [0, 1.5), got {self.margin}")
         _check(self.scale > 0, "--scale", "must be > 0")
+        _check(self.head_parallel in HEAD_PARALLEL, "--head-parallel", f"choose one of {HEAD_PARALLEL}")
+        _check(0.0 < self.sample_rate <= 1.0, "--sample-rate", f"must be in (0, 1], got {self.sample_rate}")
+        _check(self.sample_rate == 1.0 or self.head_parallel == "sharded", "--sample-rate",
+               f"{self.sample_rate} < 1 needs --head-parallel sharded (negative sampling lives in the sharded head)")
         _check(self.drop_path is None or 0.0 <= self.drop_path < 1.0, "--drop-path", "must be in [0, 1)")
         if isinstance(self.grad_ckpt, str):
             self.grad_ckpt = [p for p in self.grad_ckpt.split(",") if p]
@@ -341,6 +352,8 @@ class RunConfig:
             # BatchNorm in training needs two samples per channel (each rank normalises its own micro-batch)
             _check(self.model.neck_norm != "bn" or self.train.batch_size >= 2, "--batch-size",
                    "must be >= 2 with the BatchNorm embedding neck (--neck-norm bn); use --neck-norm ln for 1")
+        _check(self.task == "metric" or self.model.head_parallel == "none", "--head-parallel",
+               "sharded is for --task metric (the margin-softmax head)")
         if self.task == "dino":
             _check(self.model.image_size >= MIN_DETECTION_SIZE, "--image-size",
                    f"must be >= {MIN_DETECTION_SIZE} for detection (the coarsest DINO feature stride is 64)")

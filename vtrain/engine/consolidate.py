@@ -38,6 +38,8 @@ class Source:
     notes: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     """Tied weights: alias name -> name of the tensor it shares storage with."""
+    head_shards: Path | None = None
+    """A vtrain checkpoint of a `--head-parallel sharded` run: its directory (the head lives in head/, per rank)."""
 
 
 def _ds_tag_dir(path: Path) -> Path | None:
@@ -89,6 +91,9 @@ def _in_vtrain_checkpoint(p: Path, weights: str | None) -> Source:
         return Source("state-dict", file, f"vtrain checkpoint {p} (EMA weights {file.name})")
     src = _plain(p / "fsdp", p) if (p / "fsdp").is_dir() else _plain(p / "accelerate", p)
     src.description = f"vtrain checkpoint {p} ({src.description})"
+    if (p / "head").is_dir():  # the sharded face head: per-rank class ranges, stitched by head_shard.full_weight
+        src.head_shards = p
+        src.description += ", sharded face head"
     return src
 
 
@@ -324,12 +329,15 @@ def parse_size(text: str | None) -> int | None:
 def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,
                 max_shard_size: int | None = None, allow_nonfinite: bool = False,
                 check_model: bool = False, overwrite: bool = False, weights: str | None = None,
-                best: bool = False) -> Report:
+                best: bool = False, backbone_only: bool = False) -> Report:
     """Stream `path` into `out` (.safetensors or .pt, sharded above max_shard_size), scanning every tensor
     for inf/NaN. safetensors output is written tensor by tensor as each is completed (RAM holds one tensor plus
     the reader's memory-mapped pages; `.pt` output needs the whole dict once). Nothing appears at OUT when
     non-finite values are found (unless allowed) or the model check fails; otherwise OUT appears complete.
-    `best`: `path` is a run directory whose checkpoints/best.json (--keep-best) names the checkpoint."""
+    `best`: `path` is a run directory whose checkpoints/best.json (--keep-best) names the checkpoint.
+
+    A sharded face head (`--head-parallel sharded`) is written as one full fp32 `head.weight`; `backbone_only`
+    leaves every `head.` tensor out (backbone + embedding neck: what inference needs)."""
     out = Path(out)
     if out.suffix not in (".safetensors", ".pt", ".bin"):
         raise VtrainError(f"OUT must end in .safetensors or .pt, got {out.name}")
@@ -349,7 +357,7 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
     writer = _ShardWriter(out, max_shard_size)
     try:
         kept: dict[str, torch.Tensor] = {}
-        for name, t, is_buffer in iter_tensors(src):
+        for name, t, is_buffer in _with_head(src, backbone_only):
             if t.is_floating_point():
                 bad = int((~torch.isfinite(t)).sum())
                 if bad:
@@ -375,6 +383,17 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
 
     report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return report
+
+
+def _with_head(src: Source, backbone_only: bool) -> Iterator[Item]:
+    """The source's tensors, plus the stitched sharded head; without any `head.` tensor for --backbone-only."""
+    for item in iter_tensors(src):
+        if not (backbone_only and item[0].startswith("head.")):
+            yield item
+    if src.head_shards is not None and not backbone_only:
+        from vtrain.engine.head_shard import full_weight
+
+        yield "head.weight", full_weight(src.head_shards), False
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",

@@ -177,22 +177,43 @@ class ParallelEngine:
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def step(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
+    def step(self, clip_grad: float, head: Any = None) -> tuple[torch.Tensor, bool]:
         """Clip, update and zero gradients. Returns the global gradient norm (before clipping) as a 0-d tensor left
         on the device (reading it would wait for the step: the loop reads it once per log line) and whether the
-        update was applied (False when fp16 loss scaling found an overflow and skipped it)."""
+        update was applied (False when fp16 loss scaling found an overflow and skipped it).
+
+        `head`: the sharded face head outside the engine (engine/head_shard.py). The norm returned is then the one
+        global norm over backbone and head; the head applies its own update afterwards with that norm. Without
+        DeepSpeed the backbone is clipped by that global norm too (exactly torch's clip_grad_norm_ over both).
+        Under DeepSpeed the engine clips the backbone inside its step by the backbone's norm alone (its ZeRO
+        optimizer computes and applies the norm in one call that takes no outside term), so there only the head
+        is clipped by the global norm and the backbone by min(1, clip / backbone norm): not one global clip."""
         if self.plan.kind == "deepspeed":
+            head_sq = head.grad_sq_norm() if head is not None else None
             self.model.step()  # clipping from the filled gradient_clipping value
             norm = self.model.get_global_grad_norm()
             applied = bool(getattr(self.model, "was_step_applied", lambda: True)())
-            return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32), applied
+            norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32)
+            if head_sq is not None:
+                norm = (norm.to(head_sq.device) ** 2 + head_sq).sqrt()
+            return norm, applied
         opt = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
+            if head is not None:
+                head.unscale_(self.scaler.get_scale())
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else math.inf)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-            norm = norm.full_tensor()
+        if head is None:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else math.inf)
+            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+                norm = norm.full_tensor()
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+                norm = norm.full_tensor()
+            norm = (norm.float() ** 2 + head.grad_sq_norm().to(norm.device)).sqrt()
+            if clip_grad > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, clip_grad, norm)
         applied = True
         if self.scaler is not None:
             scale = self.scaler.get_scale()

@@ -27,6 +27,7 @@ from vtrain.config import RunConfig
 from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import SkipBadSamples, with_bad_list
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine import head_shard
 from vtrain.engine import rundir
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted, ignore_in_worker
 from vtrain.engine import ema as ema_mod
@@ -139,13 +140,19 @@ class Trainer:
             dataset = self.task.train_dataset()
         # 4. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
         model = self.task.build_model()
+        # --head-parallel sharded: this rank's class shard, built beside (never inside) the model the engine wraps
+        self.head = head_shard.build(cfg, dataset, self.rank, self.world, self.accelerator.device, self.plan)
         self.pretrained_msg = ""
         if cfg.model.pretrained and self.resumed_from is None:
             self.pretrained_msg = self.task.load_pretrained(model)
+            if self.head is not None:  # a full model file's head.weight (consolidated): this rank's rows
+                self.pretrained_msg += self.head.take_rows(read_state_dict(cfg.model.pretrained))
         if t.resume_weights_only:
-            load_strict(model, read_state_dict(t.resume_weights_only), "--resume-weights-only",
-                        f"{t.resume_weights_only} does not fit this model")
-            self.pretrained_msg = f"weights loaded from {t.resume_weights_only} (fresh optimizer and schedule)"
+            sd = read_state_dict(t.resume_weights_only)
+            head_msg = self.head.take_rows(sd, required=True) if self.head is not None else ""
+            load_strict(model, sd, "--resume-weights-only", f"{t.resume_weights_only} does not fit this model")
+            self.pretrained_msg = f"weights loaded from {t.resume_weights_only} (fresh optimizer and schedule)" + \
+                head_msg
         self.engine = ParallelEngine(self.plan, self.accelerator)
         # A ZeRO checkpoint of another world size is loaded in DeepSpeed's universal format, which must be
         # configured before the engine exists (prepare, below).
@@ -175,6 +182,8 @@ class Trainer:
         self.model, self.optimizer = self.engine.prepare(model, optimizer)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.active = self.engine.active()
+        if self.head is not None:
+            self.active.update(self.head.active())
         self.engine.verify(self.active)
         # the EMA starts from the weights as built (pretrained included); a resume below replaces it
         self.ema = ema_mod.WeightEMA(self.engine, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
@@ -298,6 +307,8 @@ class Trainer:
             with self.engine.sync_context(sync):
                 with self.engine.forward_context():
                     out = self.model(**inputs)
+                if self.head is not None:  # the sharded head: embeddings -> loss (collective)
+                    out = self.head.loss(out, inputs["labels"])
                 loss = out["loss"]
                 if _debug_nonfinite("loss", self.step + 1):
                     loss = loss * float("nan")
@@ -312,7 +323,12 @@ class Trainer:
                     sums[k] = sums[k] + v if k in sums else v
         lr = self.engine.current_lr()  # the LR this update uses, read from the optimizer that steps
         if window_ok:
-            grad_norm, applied = self.engine.step(self.cfg.optim.clip_grad)
+            grad_norm, applied = self.engine.step(self.cfg.optim.clip_grad, self.head)
+            if self.head is not None:  # the same LR multiplier and skip decision as the backbone's update
+                if applied:
+                    self.head.step(head_shard.lr_factor(self.scheduler), grad_norm, self.cfg.optim.clip_grad)
+                else:
+                    self.head.zero_grad()
             if applied:  # the schedule and the EMA follow real updates (an fp16 overflow skip is none)
                 self.scheduler.step()
                 self.engine.set_lrs(self.scheduler.get_last_lr())
@@ -323,6 +339,8 @@ class Trainer:
             self.consecutive_nonfinite = 0
         else:
             self.engine.zero_grad()
+            if self.head is not None:
+                self.head.zero_grad()
             grad_norm = None
             self.skipped_steps += 1
             self.consecutive_nonfinite += 1
@@ -428,7 +446,8 @@ class Trainer:
         """Stop before a non-finite model is logged as fine or saved: a step can turn weights into inf/NaN with a
         finite loss (a huge LR). Non-finite weights stay non-finite, so checking at log and save time is enough.
         Collective."""
-        if not self.engine.parameters_finite():
+        head_ok = self.head.finite() if self.head is not None else True  # collective
+        if not (self.engine.parameters_finite() and head_ok):
             self.logger.close()
             last = ckpt.complete_checkpoints(self.out, self.run_id)
             raise VtrainError(f"stopping: the model's parameters became inf/NaN by step {self.step}; nothing was "
@@ -519,6 +538,8 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         self.engine.sync_buffers()
         self.engine.save(tmp)
+        if self.head is not None:
+            self.head.save(tmp)  # every rank its class range (head_shard.py)
         full = self.engine.full_state_dict()  # collective (FSDP2 / ZeRO-3 gather)
         ema_full = self.ema.full_state_dict(full) if self.ema is not None else None  # collective, whole on rank 0
         _debug_crash("VTRAIN_DEBUG_CRASH_IN_SAVE", self.step)
@@ -571,6 +592,8 @@ class Trainer:
             self.engine.load_resharded_deepspeed(path, self.out)
         else:
             self.engine.load(path)
+        if self.head is not None:
+            self.head.load(path)  # re-split for this run's number of processes
         self.scheduler.load_state_dict(state["scheduler"])
         self.engine.set_lrs(self.scheduler.get_last_lr())  # LambdaLR.load_state_dict leaves the optimizer alone
         self.step = state["step"]

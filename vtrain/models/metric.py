@@ -24,6 +24,18 @@ class EmbeddingNeck(nn.Module):
         return self.norm(self.proj(x))
 
 
+def margin_target(target: torch.Tensor, kind: str, margin: float) -> torch.Tensor:
+    """The target-class cosine with the margin applied (fp32, clamped cosines in): ArcFace cos(theta + m), CosFace
+    cos(theta) - m. Shared by MarginHead and the sharded head (partial_fc.py)."""
+    if kind == "arcface":
+        # cos(theta + m), with the standard fallback where theta + m > pi keeps the logit monotonic
+        sin = (1.0 - target * target).clamp_min(1e-7).sqrt()
+        with_margin = target * math.cos(margin) - sin * math.sin(margin)
+        th, mm = math.cos(math.pi - margin), math.sin(math.pi - margin) * margin
+        return torch.where(target > th, with_margin, target - mm)
+    return target - margin
+
+
 class MarginHead(nn.Module):
     """Normalised class centres with an additive angular (ArcFace) or cosine (CosFace) margin.
 
@@ -45,14 +57,7 @@ class MarginHead(nn.Module):
         with torch.autocast(device_type=emb.device.type, enabled=False):
             cos = self.cosine(emb).clamp(-1.0, 1.0)
             target = cos.gather(1, labels[:, None])
-            if self.kind == "arcface":
-                # cos(theta + m), with the standard fallback where theta + m > pi keeps the logit monotonic
-                sin = (1.0 - target * target).clamp_min(1e-7).sqrt()
-                with_margin = target * math.cos(self.margin) - sin * math.sin(self.margin)
-                th, mm = math.cos(math.pi - self.margin), math.sin(math.pi - self.margin) * self.margin
-                with_margin = torch.where(target > th, with_margin, target - mm)
-            else:
-                with_margin = target - self.margin
+            with_margin = margin_target(target, self.kind, self.margin)
             logits = cos.scatter(1, labels[:, None], with_margin) * self.scale
             loss = F.cross_entropy(logits, labels)
         return loss, cos.detach()
@@ -67,7 +72,9 @@ class MetricModel(nn.Module):
         super().__init__()
         self.backbone = build_backbone(preset, image_size, drop_path)
         self.neck = EmbeddingNeck(self.backbone.num_features, embedding_dim, neck_norm)
-        self.head = MarginHead(embedding_dim, num_classes, head, margin, scale)
+        # num_classes 0: no head in the module (--head-parallel sharded keeps its class shard outside the module
+        # the engine wraps, engine/head_shard.py; sharded checkpoints' model.safetensors holds no head)
+        self.head = MarginHead(embedding_dim, num_classes, head, margin, scale) if num_classes else None
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         return self.neck(self.backbone(images))
@@ -76,7 +83,7 @@ class MetricModel(nn.Module):
         # Inference goes through forward too (labels=None): sharded engines (FSDP2, ZeRO-3) gather parameters
         # in the root module's forward hooks, which a direct call to `embed` would bypass.
         emb = self.embed(images)
-        if labels is None:
+        if labels is None or self.head is None:
             return {"embedding": emb}
         loss, cos = self.head(emb, labels)
         acc = (cos.argmax(1) == labels).float().mean()

@@ -92,7 +92,7 @@ class MetricTask:
         sd = read_state_dict(m.pretrained)
         if any(k.startswith("backbone.") for k in sd):
             own = model.state_dict()
-            head_ok = "head.weight" in sd and sd["head.weight"].shape == own["head.weight"].shape
+            head_ok = "head.weight" in own and sd.get("head.weight", torch.empty(0)).shape == own["head.weight"].shape
             if not head_ok:  # a different identity count: keep backbone and neck, fresh head
                 sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
             sd = {k: v for k, v in sd.items() if k not in own or v.shape == own[k].shape}

@@ -1,0 +1,232 @@
+"""The sharded face head at run time (`--head-parallel sharded`): its row-sparse AdamW, clipping share,
+finiteness check and per-rank checkpoint files.
+
+The head (models/partial_fc.py) lives OUTSIDE the module handed to Accelerate / DDP / FSDP2 / DeepSpeed: ZeRO and
+FSDP never partition it, DDP never all-reduces it (each rank's rows are its own), and its optimizer state is
+sharded by construction. The trainer calls, in order: `loss` per micro-batch, `grad_sq_norm` before the backbone
+step (one global clip norm), `step` after an applied backbone update (or `zero_grad` after a skipped one).
+
+Checkpoints: every rank writes `head/classes_<start>-<end>.safetensors` with its rows of the weight, the AdamW
+moments and the per-row step counts, and the class range in the metadata. Loading reads the rows of the new
+range from whichever files hold them, so a run resumes on any number of processes (N -> M).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from vtrain.config import RunConfig
+from vtrain.errors import VtrainError
+from vtrain.models.partial_fc import PartialFC
+
+HEAD_DIR = "head"
+EPS = 1e-8  # torch.optim.AdamW's default eps, which the backbone's AdamW uses too (engine/optim.py)
+
+
+class ShardedHead:
+    """This rank's class shard, its AdamW state and per-row step counts (AdamW bias correction per row: a row
+    sampled in k of the run's steps has taken k steps)."""
+
+    def __init__(self, cfg: RunConfig, num_classes: int, rank: int, world: int, device: torch.device) -> None:
+        m, o = cfg.model, cfg.optim
+        if num_classes < world:
+            raise VtrainError(f"--head-parallel sharded: {num_classes} identities cannot be split over {world} "
+                              "processes")
+        self.fc = PartialFC(m.embedding_dim, num_classes, m.head, m.margin, m.scale, m.sample_rate, rank,
+                            world).to(device)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1  # collectives (a benchmark may
+        # build the shard of a simulated `world` in one process)
+        self.lr, self.weight_decay, self.betas = o.lr, o.weight_decay, o.betas
+        w = self.fc.weight
+        self.exp_avg = torch.zeros_like(w, memory_format=torch.contiguous_format)
+        self.exp_avg_sq = torch.zeros_like(w, memory_format=torch.contiguous_format)
+        self.row_steps = torch.zeros(self.fc.num_local, dtype=torch.int64, device=device)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def loss(self, out: dict[str, torch.Tensor], labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's output (embeddings) -> the loss dict the loop sums. Collective."""
+        return self.fc(out["embedding"], labels)
+
+    def unscale_(self, scale: float) -> None:
+        """fp16 GradScaler: the head's gradients carry the loss scale too (the scaled loss was backpropagated)."""
+        if self.fc.weight.grad is not None:
+            self.fc.weight.grad.div_(scale)
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Squared L2 norm of the whole head's gradient (all shards: disjoint rows, so squares add). Collective."""
+        g = self.fc.weight.grad
+        sq = (g.float() ** 2).sum() if g is not None else torch.zeros((), device=self.fc.weight.device)
+        if self.world > 1:
+            sq = sq.clone()
+            dist.all_reduce(sq)
+        return sq
+
+    @torch.no_grad()
+    def step(self, lr_factor: float, total_norm: torch.Tensor | None, clip_grad: float) -> None:
+        """AdamW on the rows touched in this accumulation window only; other rows keep weight, moments and step
+        count (no decay). `total_norm` is the global norm over backbone and head; the head's gradient is scaled by
+        the same factor as the backbone's, torch's `clip_grad_norm_` formula. Rows with a non-finite gradient
+        skip the update with the rest of the head (a window the backbone's checks let through)."""
+        g_all = self.fc.weight.grad
+        rows = self.fc.touched.nonzero().squeeze(1)
+        if g_all is None or rows.numel() == 0:
+            return self.zero_grad()
+        if not bool(torch.isfinite(g_all[rows]).all()):
+            return self.zero_grad()
+        g = g_all[rows].float()
+        if clip_grad > 0 and total_norm is not None:
+            coef = torch.clamp(clip_grad / (total_norm.to(g.device) + 1e-6), max=1.0)
+            g = g * torch.nan_to_num(coef, nan=1.0)  # no norm known (DeepSpeed reported none): no clipping
+        lr, (b1, b2) = self.lr * lr_factor, self.betas
+        steps = self.row_steps[rows] + 1
+        self.row_steps[rows] = steps
+        t = steps.to(torch.float64)[:, None]
+        bc1 = (1 - b1 ** t).to(torch.float32)
+        bc2_sqrt = (1 - b2 ** t).sqrt().to(torch.float32)
+        w = self.fc.weight.data[rows]
+        m = self.exp_avg[rows].lerp_(g, 1 - b1)
+        v = self.exp_avg_sq[rows].mul_(b2).addcmul_(g, g, value=1 - b2)
+        w.mul_(1 - lr * self.weight_decay)  # decoupled weight decay, only on rows that step
+        w.sub_(lr / bc1 * m / ((v.sqrt() / bc2_sqrt) + EPS))
+        self.fc.weight.data[rows] = w
+        self.exp_avg[rows], self.exp_avg_sq[rows] = m, v
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        self.fc.weight.grad = None
+        self.fc.clear_touched()
+
+    def finite(self) -> bool:
+        """Whether the head's weights are finite on every rank. Collective."""
+        flag = torch.isfinite(self.fc.weight.detach()).all().float().reshape(1)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() > 0)
+
+    def active(self) -> dict[str, Any]:
+        """What is really active, for run_info.json: the head's rows here and that no engine wraps it."""
+        w = self.fc.weight
+        return {"head_parallel": "sharded", "head_class_start": self.fc.class_start,
+                "head_num_local": self.fc.num_local, "head_num_classes": self.fc.num_classes,
+                "head_sample_rate": self.fc.sample_rate, "head_param_class": type(w).__name__,
+                "head_param_dtype": str(w.dtype), "head_partitioned": hasattr(w, "ds_tensor") or
+                type(w).__name__ == "DTensor"}
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+    def save(self, ckpt_dir: Path) -> None:
+        """This rank's rows (weight, moments, step counts) with their class range. Every rank writes its file."""
+        start, n = self.fc.class_start, self.fc.num_local
+        d = Path(ckpt_dir) / HEAD_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        tensors = {"weight": self.fc.weight.detach(), "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
+                   "row_steps": self.row_steps}
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(d / shard_name(start, n)),
+                  metadata={"class_start": str(start), "num_local": str(n),
+                            "num_classes": str(self.fc.num_classes)})
+
+    def load(self, ckpt_dir: Path) -> None:
+        """Read this rank's class range from the checkpoint's shard files, whatever split they were saved in."""
+        start, n = self.fc.class_start, self.fc.num_local
+        rows = read_rows(ckpt_dir, start, n, self.fc.num_classes, ("weight", "exp_avg", "exp_avg_sq", "row_steps"))
+        with torch.no_grad():
+            self.fc.weight.copy_(rows["weight"])
+            self.exp_avg.copy_(rows["exp_avg"])
+            self.exp_avg_sq.copy_(rows["exp_avg_sq"])
+            self.row_steps.copy_(rows["row_steps"])
+
+
+    def take_rows(self, sd: dict[str, torch.Tensor], required: bool = False) -> str:
+        """Pop a full `head.weight` (a consolidated file) from `sd` and load this rank's rows of it (fresh optimizer
+        state). Returns a note for the log; `required`: a missing or misfit head is an error, else a note."""
+        full = sd.pop("head.weight", None)
+        want = (self.fc.num_classes, self.fc.weight.shape[1])
+        if full is None or tuple(full.shape) != want:
+            got = "none" if full is None else tuple(full.shape)
+            if required:
+                raise VtrainError(f"--resume-weights-only: head.weight is {got}, this run's head is {want}")
+            return f"; sharded head re-initialised (the file's head.weight: {got}, needed {want})"
+        s, n = self.fc.class_start, self.fc.num_local
+        with torch.no_grad():
+            self.fc.weight.copy_(full[s:s + n].float())
+        return f"; sharded head: classes {s}..{s + n} of head.weight loaded"
+
+
+def shard_name(start: int, n: int) -> str:
+    return f"classes_{start:09d}-{start + n:09d}.safetensors"
+
+
+def head_files(ckpt_dir: Path) -> list[tuple[Path, int, int, int]]:
+    """(file, class_start, num_local, num_classes) of every head shard of a checkpoint, by class start."""
+    out = []
+    for f in sorted((Path(ckpt_dir) / HEAD_DIR).glob("classes_*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            meta = sf.metadata() or {}
+        try:
+            out.append((f, int(meta["class_start"]), int(meta["num_local"]), int(meta["num_classes"])))
+        except (KeyError, ValueError):
+            raise VtrainError(f"{f}: not a vtrain head shard (no class range in its metadata)") from None
+    return sorted(out, key=lambda x: x[1])
+
+
+def read_rows(ckpt_dir: Path, start: int, n: int, num_classes: int | None,
+              names: tuple[str, ...] = ("weight",)) -> dict[str, torch.Tensor]:
+    """Rows [start, start+n) of the named head tensors, stitched from the shard files that hold them (sliced reads:
+    only the rows needed are read). The shards must tile the class range exactly."""
+    files = head_files(ckpt_dir)
+    if not files:
+        raise VtrainError(f"{ckpt_dir}: no sharded head ({HEAD_DIR}/classes_*.safetensors)")
+    saved_classes = files[0][3]
+    if num_classes is not None and saved_classes != num_classes:
+        raise VtrainError(f"{ckpt_dir}: the head has {saved_classes} identities, this run {num_classes}")
+    expect = 0
+    for _, s, k, _ in files:
+        if s != expect:
+            raise VtrainError(f"{ckpt_dir}: head shards do not tile classes 0..{saved_classes} (gap or overlap at "
+                              f"{expect})")
+        expect = s + k
+    if expect != saved_classes:
+        raise VtrainError(f"{ckpt_dir}: head shards end at class {expect}, not {saved_classes}")
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in names}
+    for f, s, k, _ in files:
+        lo, hi = max(start, s), min(start + n, s + k)
+        if lo >= hi:
+            continue
+        with safe_open(str(f), "pt") as sf:
+            for name in names:
+                parts[name].append(sf.get_slice(name)[lo - s:hi - s])
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def full_weight(ckpt_dir: Path) -> torch.Tensor:
+    """The whole head weight (num_classes, dim) in fp32, for `vtrain consolidate`."""
+    files = head_files(ckpt_dir)
+    if not files:
+        raise VtrainError(f"{ckpt_dir}: no sharded head ({HEAD_DIR}/classes_*.safetensors)")
+    return read_rows(ckpt_dir, 0, files[0][3], None)["weight"].float()
+
+
+def lr_factor(scheduler, step_index: int | None = None) -> float:
+    """The schedule's multiplier for the update about to be applied (LambdaLR: lambda(last_epoch))."""
+    f = scheduler.lr_lambdas[0](scheduler.last_epoch if step_index is None else step_index)
+    if not math.isfinite(f):
+        raise VtrainError(f"LR schedule multiplier is {f}")
+    return f
+
+
+def build(cfg: RunConfig, dataset, rank: int, world: int, device: torch.device, plan) -> ShardedHead | None:
+    """The sharded head of a `--head-parallel sharded` run (None otherwise), with the checks that need the plan."""
+    if cfg.model.head_parallel != "sharded":
+        return None
+    if plan.kind == "deepspeed" and plan.ds_precision_mode == "fp16":
+        # DeepSpeed's fp16 loss scale is applied inside engine.backward and its overflow check covers only the
+        # engine's own partitions; the head would get scaled, unchecked gradients
+        raise VtrainError("--head-parallel sharded does not support DeepSpeed fp16 loss scaling; use bf16 or "
+                          "torch_autocast in the DeepSpeed config, or --mixed-precision fp16 without DeepSpeed")
+    return ShardedHead(cfg, dataset.num_classes, rank, world, device)

@@ -1,0 +1,150 @@
+"""Partial FC: the margin-softmax head split by contiguous class ranges over the data-parallel ranks.
+
+Facts from insightface's arcface_torch (../../shared/reference/face.md §1.1, AF/partial_fc_v2.py): rank r owns
+`num_local = C//W + (r < C%W)` class centres starting at `C//W*r + min(r, C%W)`, in fp32; embeddings and labels
+of the global batch are all-gathered; the softmax normaliser needs only two numbers per sample (all-reduced max and
+sum of exponentials) and the target logit lives on exactly one rank. With `sample_rate` R < 1 each rank keeps every
+positive class of the global batch in its range plus random negatives up to int(R * num_local).
+
+The loss equals MarginHead's (models/metric.py) on the whole global batch: the cross-entropy mean over all W*B
+samples, identical on every rank. Gradients: the weight shard gets exactly its rows of the unsharded gradient; each
+rank's embedding gradient is the sum over ranks' contributions, multiplied by W because every data-parallel engine
+(DDP, FSDP2, DeepSpeed) *averages* the backbone gradients over ranks (arcface_torch's AllGather does the same).
+On one process the same code runs with one shard and no collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from vtrain.models.metric import margin_target
+
+
+def shard_range(num_classes: int, rank: int, world: int) -> tuple[int, int]:
+    """(class_start, num_local) of `rank` in arcface_torch's split (face.md §1.1)."""
+    base, rest = divmod(num_classes, world)
+    return base * rank + min(rank, rest), base + (rank < rest)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of equal-sized row blocks. Backward: the sum over ranks of the gradient of the gathered tensor
+    (each rank holds only its shard's contribution), this rank's block, times W (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        ctx.rank, ctx.rows, ctx.world = rank, x.shape[0], world
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows] * ctx.world
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward is the identity: everything downstream (the loss) is computed identically
+    on every rank, so d loss / d (this rank's addend) is the incoming gradient itself."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    return _SumOverRanks.apply(x) if _world() > 1 else x
+
+
+class PartialFC(nn.Module):
+    """This rank's shard of the class centres and the distributed margin softmax over it.
+
+    `touched` marks the rows that took part in a forward since the last `clear_touched()` (the accumulation
+    window): the head's optimizer (engine/head_shard.py) updates only those rows, so sampled-out rows keep their
+    weight and optimizer state (unlike arcface_torch, whose dense optimizer still decays every row)."""
+
+    def __init__(self, dim: int, num_classes: int, kind: str = "arcface", margin: float = 0.5, scale: float = 64.0,
+                 sample_rate: float = 1.0, rank: int = 0, world: int = 1) -> None:
+        super().__init__()
+        if num_classes < world:
+            raise ValueError(f"{num_classes} classes cannot be split over {world} ranks")
+        self.kind, self.margin, self.scale, self.sample_rate = kind, margin, scale, sample_rate
+        self.num_classes = num_classes
+        self.class_start, self.num_local = shard_range(num_classes, rank, world)
+        self.weight = nn.Parameter(torch.empty(self.num_local, dim))
+        nn.init.normal_(self.weight, std=0.01)  # arcface_torch's init (face.md §1.1)
+        self.register_buffer("touched", torch.zeros(self.num_local, dtype=torch.bool), persistent=False)
+
+    def clear_touched(self) -> None:
+        self.touched.zero_()
+
+    def sample(self, labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The rows of this shard to use (None: all) and the labels remapped into them (-1: not on this rank).
+        R < 1: every positive class in range, plus random negatives up to int(R * num_local) (at least 1 row so
+        the local softmax is never empty)."""
+        local = labels - self.class_start
+        mine = (local >= 0) & (local < self.num_local)
+        if self.sample_rate >= 1.0:
+            self.touched.fill_(True)
+            return None, torch.where(mine, local, torch.full_like(local, -1))
+        positive = torch.unique(local[mine])  # sorted
+        k = max(int(self.sample_rate * self.num_local), 1)
+        if k > positive.numel():
+            score = torch.rand(self.num_local, device=labels.device)
+            score[positive] = 2.0  # positives first; rand is in [0, 1)
+            index = score.topk(k).indices.sort().values
+        else:
+            index = positive
+        remapped = torch.searchsorted(index, local.clamp(0, self.num_local - 1))
+        self.touched[index] = True
+        return index, torch.where(mine, remapped, torch.full_like(local, -1))
+
+    def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Loss (mean over the global batch, the same on every rank) and train accuracy over the sampled classes."""
+        world = _world()
+        with torch.autocast(device_type=emb.device.type, enabled=False):
+            emb = emb.float()
+            if world > 1:
+                emb = _GatherRows.apply(emb)
+                every = [torch.empty_like(labels) for _ in range(world)]
+                dist.all_gather(every, labels.contiguous())
+                labels = torch.cat(every)
+            index, local = self.sample(labels)
+            w = self.weight if index is None else self.weight[index]
+            cos = F.linear(F.normalize(emb, dim=1), F.normalize(w, dim=1)).clamp(-1.0, 1.0)
+            rows = (local >= 0).nonzero().squeeze(1)
+            cols = local[rows]
+            target = cos[rows, cols]
+            logits = (cos * self.scale).index_put((rows, cols), margin_target(target, self.kind, self.margin)
+                                                  * self.scale)
+            # distributed log-sum-exp: a shared offset (max over all shards; no gradient needed, it cancels)
+            top = logits.detach().amax(1)
+            if world > 1:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            sum_exp = _sum_over_ranks((logits - top[:, None]).exp().sum(1))
+            zero = torch.zeros(len(labels), device=emb.device)
+            target_logit = _sum_over_ranks(zero.index_put((rows,), logits[rows, cols]))
+            loss = (sum_exp.log() + top - target_logit).mean()
+            with torch.no_grad():  # accuracy: the label's cosine is the highest over all (sampled) classes
+                best = cos.amax(1)
+                label_cos = zero.index_put((rows,), target.detach())
+                if world > 1:
+                    dist.all_reduce(best, op=dist.ReduceOp.MAX)
+                    dist.all_reduce(label_cos)
+                acc = (label_cos >= best).float().mean()
+        return {"loss": loss, "train_acc": acc}
