@@ -59,12 +59,12 @@ def test_ddp_sharded_head_resumes_on_one_process_and_consolidates(faces, tmp_pat
     ok(vtrain("eval", "--task", "metric", "--checkpoint", str(run), "--json"))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_keeps_the_sharded_head_out_and_clips_by_one_global_norm(faces, tmp_path, stage):
-    run = tmp_path / f"z{stage}"
+@pytest.mark.parametrize("ds_config", ["zero2", "zero3_offload"])
+def test_zero_keeps_the_sharded_head_out_and_clips_by_one_global_norm(faces, tmp_path, ds_config):
+    run, stage = tmp_path / ds_config, int(ds_config[4])
     ok(launch(2, "train", "--data", str(faces), "--output-dir", str(run), *BASE, "--max-steps", "2",
               "--save-every", "2", "--batch-size", "4", "--sample-rate", "0.5", "--ds-config",
-              f"ds_configs/zero{stage}.json", accelerate_config="ddp.yaml"))
+              f"ds_configs/{ds_config}.json", accelerate_config="ddp.yaml"))
     info = run_info(run)
     assert info["engine"] == "deepspeed" and all(r["zero_stage"] == stage for r in info["ranks"])
     _assert_head(info, "deepspeed_engine")
