@@ -2,6 +2,7 @@
 checkpointed per rank and re-split for a 1-process resume, consolidation stitches or drops it."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -58,15 +59,21 @@ def test_ddp_sharded_head_resumes_on_one_process_and_consolidates(faces, tmp_pat
     ok(vtrain("eval", "--task", "metric", "--checkpoint", str(run), "--json"))
 
 
-def test_zero2_keeps_the_sharded_head_out_of_zero(faces, tmp_path):
-    run = tmp_path / "z2"
+@pytest.mark.parametrize("ds_config", ["zero2", "zero3_offload"])
+def test_zero_keeps_the_sharded_head_out_and_clips_by_one_global_norm(faces, tmp_path, ds_config):
+    run, stage = tmp_path / ds_config, int(ds_config[4])
     ok(launch(2, "train", "--data", str(faces), "--output-dir", str(run), *BASE, "--max-steps", "2",
               "--save-every", "2", "--batch-size", "4", "--sample-rate", "0.5", "--ds-config",
-              "ds_configs/zero2.json", accelerate_config="ddp.yaml"))
+              f"ds_configs/{ds_config}.json", accelerate_config="ddp.yaml"))
     info = run_info(run)
-    assert info["engine"] == "deepspeed" and all(r["zero_stage"] == 2 for r in info["ranks"])
+    assert info["engine"] == "deepspeed" and all(r["zero_stage"] == stage for r in info["ranks"])
     _assert_head(info, "deepspeed_engine")
-    assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in metrics(run))
+    for r in metrics(run):
+        assert all(math.isfinite(r[k]) for k in ("loss", "grad_norm", "grad_norm_backbone", "grad_norm_head"))
+        # grad_norm is DeepSpeed's own get_global_grad_norm(), the value its ZeRO step clipped the backbone with:
+        # it holds the head's norm (without the hook it would equal the backbone's alone)
+        assert r["grad_norm_head"] > 0 and r["grad_norm"] > r["grad_norm_backbone"] * (1 + 1e-4)
+        assert r["grad_norm"] == pytest.approx(math.hypot(r["grad_norm_backbone"], r["grad_norm_head"]), rel=1e-5)
 
 
 def test_fsdp2_keeps_the_sharded_head_out_of_fsdp(faces, tmp_path):

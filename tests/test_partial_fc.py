@@ -217,3 +217,37 @@ def test_full_head_weight_is_split_into_rank_rows():
     assert "re-initialised" in h.take_rows({"head.weight": torch.randn(C + 1, D)})
     with pytest.raises(VtrainError, match="head.weight is none"):
         h.take_rows({}, required=True)
+
+
+class _Zero12:
+    """The two members of DeepSpeed's ZeRO-1/2 optimizer that `_zero_norm_with_head` hooks into."""
+    loss_scale = 2.0
+
+    def scaled_global_norm(self):
+        return torch.tensor(6.0)  # loss-scaled: the backbone's norm is 3
+
+
+class _Zero3(_Zero12):
+    def _get_norm_groups(self):
+        return [torch.tensor(6.0), torch.tensor(0.0)]
+
+
+def test_zero_norm_hook_adds_the_head_to_deepspeeds_norm_for_one_step():
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    from vtrain.engine.parallel import _zero_norm_with_head
+    from vtrain.errors import VtrainError
+
+    head = torch.tensor(4.0)
+    opt = _Zero12()
+    with _zero_norm_with_head(opt, 2, head) as seen:
+        assert float(opt.scaled_global_norm()) == pytest.approx(10.0)  # sqrt(3^2 + 4^2) x loss scale 2
+    assert float(seen["norm"]) == pytest.approx(3.0) and float(opt.scaled_global_norm()) == 6.0  # restored
+    opt = _Zero3()
+    with _zero_norm_with_head(opt, 3, head) as seen:  # ZeRO-3 step L2-combines the groups itself
+        assert float(combine_grad_norm_groups(opt._get_norm_groups())) == pytest.approx(10.0)
+    assert float(seen["norm"]) == pytest.approx(3.0) and "_get_norm_groups" not in vars(opt)
+    for stage, bare in ((0, _Zero12()), (3, _Zero12()), (2, object())):  # no ZeRO, or another DeepSpeed
+        with pytest.raises(VtrainError, match=r"DeepSpeed \d"):
+            with _zero_norm_with_head(bare, stage, head):
+                pass

@@ -98,6 +98,51 @@ def _persistent_buffers(module: nn.Module):
                 yield (f"{mod_name}.{name}" if mod_name else name), b
 
 
+@contextlib.contextmanager
+def _zero_norm_with_head(opt: Any, stage: int, head_norm: torch.Tensor):
+    """Make the ZeRO optimizer's next `step()` clip by (and report) the global norm over its partitions AND the
+    sharded head outside it, so `--clip-grad` is one global clip under DeepSpeed as under DDP/FSDP2.
+
+    DeepSpeed computes the norm and applies the clip inside one `step()` that takes no outside term, so for that
+    one call this shadows the instance's norm function (restored afterwards). It relies on DeepSpeed 0.19.8's
+    internals: ZeRO-1/2 `DeepSpeedZeroOptimizer.step()` takes `scaled_global_norm()` (the loss-scaled norm, already
+    reduced over ranks) for both `_global_grad_norm` and `unscale_and_clip_grads`; ZeRO-3
+    `DeepSpeedZeroOptimizer_Stage3.step()` L2-combines the per-group norms of `_get_norm_groups()` with
+    `combine_grad_norm_groups` and uses the result the same way (offload included). The head's norm (the same on
+    every rank) enters as one more loss-scaled L2 term. Yields a dict that receives the backbone's unscaled
+    norm ("norm") when DeepSpeed computed it."""
+    name = {1: "scaled_global_norm", 2: "scaled_global_norm", 3: "_get_norm_groups"}.get(stage)
+    if name is None or not callable(getattr(opt, name, None)) or not hasattr(opt, "loss_scale"):
+        import deepspeed
+
+        raise VtrainError(f"--head-parallel sharded under DeepSpeed {deepspeed.__version__} ZeRO-{stage}: its "
+                          f"optimizer {type(opt).__name__} lacks `{name or 'scaled_global_norm'}`/`loss_scale`, "
+                          "which one global clip norm over backbone and sharded head hooks into (written for "
+                          "DeepSpeed 0.19.8 ZeRO-1/2/3); use a ZeRO stage 1-3 config or that DeepSpeed version")
+    original, shadowed, seen = getattr(opt, name), vars(opt).get(name), {}
+
+    def scaled_with_head(*args, **kwargs):
+        out = original(*args, **kwargs)
+        scale = float(opt.loss_scale)
+        if stage == 3:  # a list of per-group norms (tensors or floats), which DeepSpeed L2-combines
+            from deepspeed.runtime.utils import combine_grad_norm_groups
+
+            dev = next((n.device for n in out if torch.is_tensor(n)), head_norm.device)
+            seen["norm"] = combine_grad_norm_groups(out).to(dev) / scale if out else torch.zeros((), device=dev)
+            return [*out, (head_norm * scale).to(dev)]
+        seen["norm"] = out / scale  # the combined loss-scaled norm (an invalid one is inf: combining keeps it)
+        return torch.sqrt(out ** 2 + (head_norm * scale).to(out.device) ** 2)
+
+    setattr(opt, name, scaled_with_head)  # an instance attribute shadows the class method for this call
+    try:
+        yield seen
+    finally:
+        if shadowed is None:
+            delattr(opt, name)
+        else:
+            setattr(opt, name, shadowed)
+
+
 class ParallelEngine:
     def __init__(self, plan: Plan, accelerator: Accelerator) -> None:
         self.plan, self.accelerator = plan, accelerator
@@ -105,6 +150,7 @@ class ParallelEngine:
         self.model: Any = None
         self.optimizer: Any = None
         self.scaler = None
+        self.norm_parts: dict[str, torch.Tensor] = {}  # step(): the backbone's and the sharded head's norms
         if plan.kind != "deepspeed" and plan.precision == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
         self.fsdp_units = 0
@@ -183,19 +229,23 @@ class ParallelEngine:
         update was applied (False when fp16 loss scaling found an overflow and skipped it).
 
         `head`: the sharded face head outside the engine (engine/head_shard.py). The norm returned is then the one
-        global norm over backbone and head; the head applies its own update afterwards with that norm. Without
-        DeepSpeed the backbone is clipped by that global norm too (exactly torch's clip_grad_norm_ over both).
-        Under DeepSpeed the engine clips the backbone inside its step by the backbone's norm alone (its ZeRO
-        optimizer computes and applies the norm in one call that takes no outside term), so there only the head
-        is clipped by the global norm and the backbone by min(1, clip / backbone norm): not one global clip."""
+        global norm over backbone and head, and every engine clips the backbone by it: exactly torch's
+        clip_grad_norm_ over both (under DeepSpeed ZeRO-1/2/3 by handing the head's norm to the ZeRO optimizer's
+        own norm, `_zero_norm_with_head`). The head applies its own update afterwards with that same norm.
+        `self.norm_parts` then holds the backbone's and the head's norms for the log (empty without a head)."""
+        self.norm_parts = {}
         if self.plan.kind == "deepspeed":
-            head_sq = head.grad_sq_norm() if head is not None else None
-            self.model.step()  # clipping from the filled gradient_clipping value
-            norm = self.model.get_global_grad_norm()
+            if head is None:
+                self.model.step()  # clipping from the filled gradient_clipping value
+            else:
+                head_norm = head.grad_sq_norm().sqrt()  # collective: before the step, on every rank
+                with _zero_norm_with_head(self.model.optimizer, self.plan.zero_stage, head_norm) as backbone:
+                    self.model.step()
+                if "norm" in backbone:  # the norm was computed (no fp16 overflow, compute_grad_norm on)
+                    self.norm_parts = {"grad_norm_backbone": backbone["norm"], "grad_norm_head": head_norm}
+            norm = self.model.get_global_grad_norm()  # DeepSpeed's own: the norm it clipped with
             applied = bool(getattr(self.model, "was_step_applied", lambda: True)())
             norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32)
-            if head_sq is not None:
-                norm = (norm.to(head_sq.device) ** 2 + head_sq).sqrt()
             return norm, applied
         opt = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
         if self.scaler is not None:
@@ -211,7 +261,9 @@ class ParallelEngine:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
             if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
                 norm = norm.full_tensor()
-            norm = (norm.float() ** 2 + head.grad_sq_norm().to(norm.device)).sqrt()
+            head_norm = head.grad_sq_norm().sqrt().to(norm.device)
+            self.norm_parts = {"grad_norm_backbone": norm.float(), "grad_norm_head": head_norm}
+            norm = (norm.float() ** 2 + head_norm ** 2).sqrt()
             if clip_grad > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, clip_grad, norm)
         applied = True

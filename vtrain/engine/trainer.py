@@ -353,6 +353,7 @@ class Trainer:
         stats: dict[str, Any] = {k: v / accum for k, v in sums.items()} if window_ok else {}
         if grad_norm is not None:
             stats["grad_norm"] = grad_norm
+            stats.update(self.engine.norm_parts)  # sharded head: the backbone's and the head's share of it
         stats["lr"] = lr
         stats["skipped"] = not window_ok
         return stats
