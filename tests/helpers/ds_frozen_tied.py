@@ -50,6 +50,10 @@ def main() -> None:
                  for k, v in module.state_dict().items()}
     if engine.global_rank == 0:
         save_file(truth, f"{out}/truth.safetensors")
+    # Leave the process group before exit, as vtrain's Trainer.close does: a gloo group torn down at interpreter
+    # exit aborted rank 1 once after a complete run ("terminate called without an active exception", SIGABRT)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
