@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TOOLS = {
     "vtrain consolidate -> .safetensors": """
-from vtrain.engine.consolidate import consolidate
+from vtrain.tools.consolidate import consolidate
 consolidate(CKPT, OUT + "/vtrain.safetensors")
 """,
     "deepspeed convert_zero_checkpoint_to_fp32_state_dict (safetensors, 5GB shards)": """

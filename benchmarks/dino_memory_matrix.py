@@ -1,7 +1,7 @@
 """DINO training-step memory and speed against `vtrain estimate-memory`: precision x checkpointing x engine.
 
 Each row runs in its own process (an engine owns process-global state: the process group, DeepSpeed), builds the
-real vtrain model (`vtrain.engine.memory.build_model`, the constructor `vtrain train` and estimate-memory use),
+real vtrain model (`vtrain.tools.memory.build_model`, the constructor `vtrain train` and estimate-memory use),
 wraps it with vtrain's own engine (`resolve_plan`, `build_accelerator`, `ParallelEngine.shard/prepare`,
 `build_optimizer`, as the Trainer does), feeds the estimator's own inputs (batch 2, 800x1333 padded to a multiple
 of 32, --targets boxes per image) and times forward + backward + optimizer step through the engine: --warmup steps
@@ -14,7 +14,7 @@ Engines: single (one process), fsdp2 (--fsdp), zero2 (ds_configs/zero2.json), ze
 (ds_configs/zero3_offload.json, DeepSpeed CPU Adam: compiled once, about 2 min on a new machine), all with one
 process, as far as one GPU allows.
 
-- GPU: Swin-L 5-scale at 800x1333 (mmdetection's table, ../shared/reference/dino.md §2); peak = the allocator's
+- GPU: Swin-L 5-scale at 800x1333 (mmdetection's table, docs/dino.md §2); peak = the allocator's
   max_memory_allocated / max_memory_reserved over the timed steps.
 - CPU: the `debug` preset at 128x160, so the script runs everywhere; peak = the CPU allocator's peak during one
   step as torch.profiler records it, plus the CPU tensors alive before it (parameters, buffers, optimizer states,
@@ -53,7 +53,7 @@ ENGINES = {"single": {}, "fsdp2": {"fsdp": True}, "zero2": {"ds_config": "ds_con
 
 def _setup(row: dict):
     """estimate-memory's Setup for a row, through the CLI's own constructor."""
-    from vtrain.engine.memory import setup_from
+    from vtrain.tools.memory import setup_from
 
     h, w = row["image_size"]
     flags = ENGINES[row["engine"]]
@@ -80,7 +80,7 @@ def _alive_cpu_bytes() -> int:
 def child(row: dict) -> dict:
     """One row, measured in this process with vtrain's engine; returns the measurements."""
     from vtrain.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
-    from vtrain.engine.memory import _inputs, build_model, profiled_peak
+    from vtrain.tools.memory import _inputs, build_model, profiled_peak
     from vtrain.engine.optim import build_optimizer
     from vtrain.engine.parallel import ParallelEngine, build_accelerator
     from vtrain.engine.plan import resolve_plan
@@ -170,7 +170,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))), flush=True)
         return
-    from vtrain.engine.memory import estimate
+    from vtrain.tools.memory import estimate
 
     cuda = torch.cuda.is_available()
     preset = args.preset or ("swin-l" if cuda else "debug")

@@ -1,6 +1,6 @@
 """Multi-scale deformable attention alone: the PyTorch path against the fused Triton op, time and memory.
 
-Shapes are DINO Swin-L 5-scale at 800x1333 (../shared/reference/msda_kernels.md §4.2): the encoder's self-attention
+Shapes are DINO Swin-L 5-scale at 800x1333 (docs/msda_kernels.md §4.2): the encoder's self-attention
 (89,023 queries over 5 levels 200x334 ... 13x21, batch 2, 8 heads x 32 channels, 4 points) and a decoder
 cross-attention (1,000 queries over the same value). Value and grad_out are bf16 (or --dtype), sampling locations and
 attention weights fp32, as DINO feeds them under autocast. Locations are a reference point per query plus a few
@@ -35,7 +35,7 @@ import torch
 from vtrain.models.dino.msda import ms_deform_attn
 
 MiB = 1024**2
-ENCODER_LEVELS = [(200, 334), (100, 167), (50, 84), (25, 42), (13, 21)]  # msda_kernels.md §4.2
+ENCODER_LEVELS = [(200, 334), (100, 167), (50, 84), (25, 42), (13, 21)]  # docs/msda_kernels.md §4.2
 SMOKE_LEVELS = [(12, 20), (6, 10), (3, 5), (2, 3), (1, 2)]  # the same layout, small enough for the interpreter
 
 
@@ -119,7 +119,7 @@ def measure(name: str, levels, queries: int, impl: str, args, device: torch.devi
         for t in leaves:
             t.grad = None
     else:
-        from vtrain.engine.memory import profiled_peak
+        from vtrain.tools.memory import profiled_peak
 
         peak = profiled_peak(fwd_bwd)
     return {"shape": name, "queries": queries, "impl": impl, "dtype": str(args.dtype).removeprefix("torch."),

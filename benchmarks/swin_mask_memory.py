@@ -1,12 +1,12 @@
 """Where Swin's training memory goes, by the aten op that made each storage (fake tensors: no real memory, no GPU).
 
-One bf16 forward + backward traced with vtrain's estimator (`vtrain.engine.memory`: `LiveBytes` and the CUDA
+One bf16 forward + backward traced with vtrain's estimator (`vtrain.tools.memory`: `LiveBytes` and the CUDA
 autocast policy), here with each storage tagged with the op that created it. Printed per case: the activation
 peak (the estimator's figure), the storages live at that peak and at the end of the forward (what backward
 keeps) grouped by op and dtype, and the part that is N x N per window (N = window area: attention matrices,
 masks, biases).
 
-Cases: (a) the Swin-L/12 backbone alone at 768x1152, batch 2 (memory_ckpt.md §1.5: 9.48 GiB of activations),
+Cases: (a) the Swin-L/12 backbone alone at 768x1152, batch 2 (docs/memory_ckpt.md §1.5: 9.48 GiB of activations),
 `forward_features`; (b) DINO `swin-l` at 800x1333, batch 2, through the estimator's own `trace_step`.
 `--timm` traces timm's blocks as they are (the "before"); the default traces vtrain's models, whose Swin blocks
 use `vtrain.models.swin_attention` (the "after").
@@ -29,7 +29,7 @@ import timm
 import torch
 from torch.utils._pytree import tree_leaves
 
-from vtrain.engine import memory
+from vtrain.tools import memory
 from vtrain.models import swin_attention
 
 GiB = 2**30

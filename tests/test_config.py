@@ -32,7 +32,7 @@ def test_invalid_values_name_the_flag(section, key, value, flag):
 
 def test_dino_defaults_follow_the_recipe():
     cfg = build_config("dino")
-    # dino.md §1.1: AdamW 1e-4, wd 1e-4, backbone lr x0.1, clip 0.1, step decay x0.1, no warm-up, 800 test size
+    # docs/dino.md §1.1: AdamW 1e-4, wd 1e-4, backbone lr x0.1, clip 0.1, step decay x0.1, no warm-up, 800 test size
     o = cfg.optim
     assert (o.lr, o.weight_decay, o.backbone_lr_mult, o.clip_grad, o.schedule, o.gamma, o.warmup_steps) == \
         (1e-4, 1e-4, 0.1, 0.1, "step", 0.1, 0)

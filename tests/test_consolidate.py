@@ -100,7 +100,7 @@ def test_check_model_rejects_another_models_weights(run, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_plain_deepspeed_with_frozen_tied_and_batchnorm(stage, tmp_path):
-    """The reference tool's known gaps (memory_ckpt.md §4): ZeRO-1 drops frozen parameters, tied weights break
+    """The reference tool's known gaps (docs/memory_ckpt.md §4): ZeRO-1 drops frozen parameters, tied weights break
     safetensors output. Consolidation of a plain DeepSpeed checkpoint must equal the live model, all of it."""
     from conftest import ROOT, launch
 

@@ -141,7 +141,7 @@ def test_swin_l_preset_parameter_count_matches_published():
     with torch.device("meta"):
         model = DINO("swin-l", 80)
     n = count_parameters(model)
-    # dino.md §2: DINO 5-scale Swin-L 195M backbone / 217-218M total (EasyCV README)
+    # docs/dino.md §2: DINO 5-scale Swin-L 195M backbone / 217-218M total (EasyCV README)
     assert 194.5e6 < n["backbone"] < 195.5e6
     assert 217.0e6 <= n["total"] <= 218.5e6
     assert model.levels == 5 and model.num_queries == 900 and model.dn_queries == 100

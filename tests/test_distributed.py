@@ -35,7 +35,7 @@ def _assert_eval_used_ema(run):
     forward read (ZeRO-3 keeps small parameters gathered outside their partitions)."""
     import json
 
-    from vtrain.eval.run import evaluate_checkpoint
+    from vtrain.tools.evaluate import evaluate_checkpoint
 
     in_training = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()][-1]
     _, offline = evaluate_checkpoint(run, {})

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from conftest import metrics, ok, vtrain
 from vtrain.config import build_config
 from vtrain.engine.checkpoint import complete_checkpoints
-from vtrain.engine.consolidate import consolidate
+from vtrain.tools.consolidate import consolidate
 from vtrain.errors import ConfigError, VtrainError
-from vtrain.eval.run import evaluate_checkpoint, load_model
+from vtrain.tools.evaluate import evaluate_checkpoint, load_model
 
 COMMON = ["--batch-size", "8", "--log-every", "1", "--num-workers", "0", "--embedding-dim", "32",
           "--head", "cosface", "--scale", "16", "--lr", "3e-3", "--mixed-precision", "no"]

@@ -86,7 +86,7 @@ def test_export_onnx_matches_pytorch_on_dynamic_batches(rec_run, tmp_path):
     import onnx
     import onnxruntime as ort
 
-    from vtrain.eval.run import load_model
+    from vtrain.tools.evaluate import load_model
     from vtrain.tools.export import EmbeddingNet
 
     _, run, _ = rec_run

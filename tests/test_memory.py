@@ -12,7 +12,7 @@ import torch
 
 from conftest import ok, vtrain
 from test_msda import interpret  # noqa: F401 (fixture: the Triton kernels under the interpreter)
-from vtrain.engine.memory import (LiveBytes, Setup, allocator_peak, deepspeed_reference, model_facts,
+from vtrain.tools.memory import (LiveBytes, Setup, allocator_peak, deepspeed_reference, model_facts,
                                   estimate, max_batch_that_fits, model_state_bytes, profiled_peak, trace_step)
 
 
@@ -42,7 +42,7 @@ def test_checkpointing_and_amp_move_the_traced_peak_the_right_way():
 
 
 def test_cuda_policy_keeps_norms_and_softmax_fp32_under_bf16():
-    """CUDA autocast runs layer_norm/softmax in fp32 where CPU autocast stays bf16 (memory_ckpt.md §1.3): the
+    """CUDA autocast runs layer_norm/softmax in fp32 where CPU autocast stays bf16 (docs/memory_ckpt.md §1.3): the
     CUDA-policy trace holds more activation bytes than the CPU one (DINO: GroupNorm on bf16 conv outputs, the
     norms after deformable attention). On a ResNet backbone with the same deformable-attention kernel on both sides:
     the CUDA policy also traces Swin's biased SDPA through the memory-efficient kernel, which keeps less than CPU's

@@ -103,7 +103,7 @@ def test_bf16_and_fp16_inputs_at_their_tolerance(poisoned):
 
 
 def test_zeroed_padding_and_points_far_outside(poisoned):
-    """The caller zeroes padded value rows (masked_fill, msda_kernels.md §4.1): samples that only see padding or
+    """The caller zeroes padded value rows (masked_fill, docs/msda_kernels.md §4.1): samples that only see padding or
     lie far outside every map give exactly zero, and so do their location and weight gradients; the value
     gradient still reaches the zeroed rows."""
     shapes = [(4, 6), (2, 3)]

@@ -209,7 +209,7 @@ def test_metric_embeddings_are_evaluations(metric_run, faces, tmp_path, monkeypa
     from safetensors import safe_open
 
     from vtrain.data.faces import sample_pairs
-    from vtrain.eval.run import evaluate_checkpoint
+    from vtrain.tools.evaluate import evaluate_checkpoint
     from vtrain.eval.verification import verification_metrics
 
     logged = json.loads((metric_run / "eval.jsonl").read_text().splitlines()[-1])

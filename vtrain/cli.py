@@ -176,7 +176,7 @@ def evaluate(
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
     box AP."""
     from vtrain.engine.logging import console
-    from vtrain.eval.run import evaluate_checkpoint
+    from vtrain.tools.evaluate import evaluate_checkpoint
 
     if best:
         from vtrain.engine.best import best_checkpoint
@@ -253,7 +253,7 @@ def consolidate_cmd(
     import torch
     from rich.table import Table
 
-    from vtrain.engine.consolidate import consolidate, parse_size
+    from vtrain.tools.consolidate import consolidate, parse_size
     from vtrain.engine.logging import console
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -332,7 +332,7 @@ def estimate_memory_cmd(
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
     from rich.console import Console  # after the checks above: a bad number is reported without importing torch
 
-    from vtrain.engine.memory import estimate_report, setup_from
+    from vtrain.tools.memory import estimate_report, setup_from
 
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
@@ -342,7 +342,7 @@ def estimate_memory_cmd(
     if as_json:
         print(json.dumps(report))
         return
-    from vtrain.engine.memory_table import render
+    from vtrain.tools.memory_table import render
 
     console = Console(width=160, highlight=False)  # the table is wide: never squeeze it into 80 columns
     for item in render(report):

@@ -84,7 +84,7 @@ class ModelConfig:
     """Embedding neck normalisation: bn (insightface style), ln or none."""
     head: str = "arcface"
     margin: float | None = None
-    """Margin m; defaults to 0.5 for ArcFace and 0.4 for CosFace (face.md §1.1)."""
+    """Margin m; defaults to 0.5 for ArcFace and 0.4 for CosFace (docs/face.md §1.1)."""
     scale: float = 64.0
     head_parallel: str = "none"
     """Metric head: `none`, one head inside the model (replicated under DDP, partitioned under ZeRO-3/FSDP2);
@@ -126,7 +126,7 @@ class ModelConfig:
         if self.pretrained is not None:
             _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
         # upper bounds: the denoising attention mask and the matcher grow with the square of the query count
-        # (recipes use 900 and 100-300; dino.md §1.1), so a typo must not allocate terabytes
+        # (recipes use 900 and 100-300; docs/dino.md §1.1), so a typo must not allocate terabytes
         _check(self.num_queries is None or 0 < self.num_queries <= MAX_QUERIES, "--num-queries",
                f"must be in 1..{MAX_QUERIES}, got {self.num_queries}")
         _check(self.dn_queries is None or 0 <= self.dn_queries <= MAX_DN_QUERIES, "--dn-queries",
@@ -372,9 +372,9 @@ _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConf
 
 # Defaults that differ per task, applied below the YAML file and the flags.
 TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
-    # insightface ViT recipe uses AdamW lr 1e-3, wd 0.1 (face.md §1.2); our small-batch default keeps lr 1e-3.
+    # insightface ViT recipe uses AdamW lr 1e-3, wd 0.1 (docs/face.md §1.2); our small-batch default keeps lr 1e-3.
     "metric": {"optim": {"lr": 1e-3, "weight_decay": 0.1}},
-    # DINO recipe (dino.md §1.1): AdamW 1e-4, wd 1e-4, backbone x0.1, clip 0.1, step decay x0.1, no warm-up;
+    # DINO recipe (docs/dino.md §1.1): AdamW 1e-4, wd 1e-4, backbone x0.1, clip 0.1, step decay x0.1, no warm-up;
     # test resize 800 (long side 1333); micro-batch 2 per GPU.
     "dino": {"model": {"image_size": 800},
              "optim": {"lr": 1e-4, "weight_decay": 1e-4, "backbone_lr_mult": 0.1, "clip_grad": 0.1,

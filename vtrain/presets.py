@@ -40,7 +40,7 @@ METRIC_PRESETS: dict[str, Callable[[], BackbonePreset]] = {
 class DinoPreset:
     """A timm backbone (its stage indices for `forward_intermediates`) and the DINO transformer sizes.
 
-    Defaults are the recipe of dino.md §1 (256-d, 6+6 layers, 8 heads, 4 points, FFN 2048, 900 queries,
+    Defaults are the recipe of docs/dino.md §1 (256-d, 6+6 layers, 8 heads, 4 points, FFN 2048, 900 queries,
     100 denoising queries); `levels` counts backbone levels plus extra stride-2 levels (5-scale = 4 + 1)."""
 
     timm_name: str
@@ -61,7 +61,7 @@ class DinoPreset:
     dn_queries: int = 100
 
 
-_SWIN = {"strict_img_size": False}  # variable detection image sizes (dino.md §5: timm strict_img_size=False)
+_SWIN = {"strict_img_size": False}  # variable detection image sizes (docs/dino.md §5: timm strict_img_size=False)
 
 DINO_PRESETS: dict[str, Callable[[], DinoPreset]] = {
     # tiny Swin (the same code path as swin-l) with a small transformer: tests and the CPU demo
@@ -75,7 +75,7 @@ DINO_PRESETS: dict[str, Callable[[], DinoPreset]] = {
     "debug-resnet": lambda: DinoPreset("resnet10t", (2, 3, 4), 4, {}, "ResNet-10-T + 64-d 2+2-layer DINO (CPU demo)",
                                        dim=64, ffn=128, enc_layers=2, dec_layers=2, heads=4, points=4, queries=100,
                                        dn_queries=20),
-    # MMD dino-5scale_swin-l_8xb2-12e_coco: embed 192, depths 2/2/18/2, window 12, drop-path 0.2 (dino.md §1.2)
+    # MMD dino-5scale_swin-l_8xb2-12e_coco: embed 192, depths 2/2/18/2, window 12, drop-path 0.2 (docs/dino.md §1.2)
     "swin-l": lambda: DinoPreset("swin_large_patch4_window12_384", (0, 1, 2, 3), 5, dict(_SWIN),
                                  "Swin-L/12 (384, IN-22k layout), DINO 5-scale (strides 4-64)", drop_path=0.2,
                                  out_norm=True),

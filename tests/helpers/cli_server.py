@@ -15,9 +15,9 @@ import sys
 import traceback
 
 import vtrain.cli  # noqa: E402  (the modules every command imports lazily, imported once here)
-import vtrain.engine.consolidate  # noqa: F401
+import vtrain.tools.consolidate  # noqa: F401
 import vtrain.engine.trainer  # noqa: F401
-import vtrain.eval.run  # noqa: F401
+import vtrain.tools.evaluate  # noqa: F401
 
 
 def _child(case: dict) -> int:

@@ -101,7 +101,7 @@ class RandomSizeCrop(v2.Transform):
 
 
 def train_transforms(size: int, max_size: int) -> v2.Transform:
-    """DINO training augmentation (dino.md §1.1), scaled with `size` (800 = the recipe): flip, then either
+    """DINO training augmentation (docs/dino.md §1.1), scaled with `size` (800 = the recipe): flip, then either
     multi-scale resize (short side 0.6-1.0 x size in 25 steps, i.e. 480-800 step 32; long side <= max_size) or
     resize to {0.5, 0.625, 0.75} x size, random crop of 0.48-0.75 x size, and the same multi-scale resize."""
     f = size / 800

@@ -1,11 +1,11 @@
 """insightface / MXNet RecordIO face sets (`train.rec` + `train.idx` + `property`) in pure Python: no mxnet.
 
-Byte layout (dmlc-core include/dmlc/recordio.h + src/recordio.cc, MXNet python/mxnet/recordio.py; face.md §1.4):
+Byte layout (dmlc-core include/dmlc/recordio.h + src/recordio.cc, MXNet python/mxnet/recordio.py; docs/face.md §1.4):
 - `.rec`: each logical record is one or more parts `magic lrecord data pad`, little-endian uint32s, with
   magic 0xced7230a (bytes 0a 23 d7 ce), length = lrecord & (2^29 - 1), cflag = lrecord >> 29. Where the magic
   word occurs 4-byte aligned inside a payload the writer cuts it out and splits the record there: cflag 1 = first
   part, 2 = middle, 3 = last, 0 = whole record; a reader puts the magic back between the parts. Only the last
-  part is padded to 4 bytes (the others end on an aligned magic). dmlc-core is the authority here: face.md
+  part is padded to 4 bytes (the others end on an aligned magic). dmlc-core is the authority here: docs/face.md
   §1.4's magic (0x3ed7230a) and 30-bit length are wrong; recordio.h says `kMagic = 0xced7230a` and 29 bits.
 - `.idx`: text, `key<TAB>byte offset` per line; a logical record is read at its offset.
 - payload: IRHeader struct 'IfQQ' (flag uint32, label float32, id uint64, id2 uint64, 24 bytes); flag > 0 means

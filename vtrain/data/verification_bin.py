@@ -1,7 +1,7 @@
 """insightface verification packs (`lfw.bin`, `cfp_fp.bin`, `agedb_30.bin`, ...) read without trusting them.
 
 A pack is a pickle of `(bins, issame)`: 2N encoded images (pair i = bins[2i], bins[2i+1]) and N same/not-same
-flags (face.md §1.5; insightface recognition/arcface_mxnet/common/build_eval_pack.py). The packs are downloaded
+flags (docs/face.md §1.5; insightface recognition/arcface_mxnet/common/build_eval_pack.py). The packs are downloaded
 from the internet and a pickle can run any callable it names, so they are read with vtrain's restricted unpickler
 (`safeio.restricted_load`), admitting only the few globals such a pack legitimately names:
 - `_codecs.encode`: Python 3 writes `bytes` as `_codecs.encode(text, 'latin1')` in protocols 0-2;

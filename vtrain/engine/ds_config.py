@@ -4,7 +4,7 @@
 both. Precision: unless the JSON explicitly enables DeepSpeed's own full-bf16/fp16 mode, bf16 runs in
 DeepSpeed's `torch_autocast` mode (fp32 master weights and buffers, forward under autocast), which trains
 BatchNorm models where plain DeepSpeed bf16 fails ('expected scalar type BFloat16 but found Float';
-../shared/reference/cpu_distributed.md, memory_ckpt.md §4).
+docs/cpu_distributed.md, docs/memory_ckpt.md §4).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) applied by vtrain itself, on CPU and GPU alike.
 
 Accelerate never applies FSDP on CPU processes (its distributed type stays NO and each rank silently trains an
-unsharded copy; ../shared/reference/cpu_distributed.md), so vtrain shards the built model directly: one
+unsharded copy; docs/cpu_distributed.md), so vtrain shards the built model directly: one
 `fully_shard` per residual/transformer block, then the root. Blocks without BatchNorm gather their parameters
 in bf16 (MixedPrecisionPolicy, fp32 gradient reduction); the root and BatchNorm-holding blocks keep fp32
-parameters because BatchNorm with bf16 weights and fp32 running stats fails (memory_ckpt.md §4).
+parameters because BatchNorm with bf16 weights and fp32 running stats fails (docs/memory_ckpt.md §4).
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, plan: Plan) -> torch.opt
 def lr_lambda(cfg: OptimConfig, total_steps: int):
     """Multiplier of the peak LR after `step` optimizer steps: linear warm-up, then cosine/step/constant."""
     warm = cfg.warmup_steps
-    # no milestones given: one decay at 11/12 of training (DINO: x0.1 at epoch 11 of 12, dino.md §1.1)
+    # no milestones given: one decay at 11/12 of training (DINO: x0.1 at epoch 11 of 12, docs/dino.md §1.1)
     milestones = cfg.milestones or [max(1, round(total_steps * 11 / 12))]
 
     def f(step: int) -> float:

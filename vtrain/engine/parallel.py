@@ -63,7 +63,7 @@ def build_accelerator(plan: Plan, grad_accum: int, log_with: str | None = None,
     cpu_only = not torch.cuda.is_available()
     if cpu_only and (plan.world_size > 1 or plan.kind == "deepspeed"):
         # Without an explicit gloo backend Accelerate reports 1 process and every rank "main" on CPU under
-        # DeepSpeed (data not sharded, every rank saving): cpu_distributed.md.
+        # DeepSpeed (data not sharded, every rank saving): docs/cpu_distributed.md.
         handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=timedelta(minutes=30)))
     ds_plugin = None
     if plan.kind == "deepspeed":
@@ -407,7 +407,7 @@ class ParallelEngine:
         """Resume a ZeRO checkpoint saved by another number of processes: convert it once to DeepSpeed's universal
         format (rank 0, into `work_dir`, atomically), load that (the engine was built with "load_universal"), then
         restore what the universal load leaves at its fresh initialisation: BatchNorm (and other) buffers and
-        frozen parameters (memory_ckpt.md §4), taken from the checkpoint's full fp32 model.safetensors.
+        frozen parameters (docs/memory_ckpt.md §4), taken from the checkpoint's full fp32 model.safetensors.
         Per-rank RNG states are not restored (there is no rank-to-rank mapping); the data position is."""
         import contextlib
         import io

@@ -37,7 +37,7 @@ def _fp32_batchnorm_forward(self: nn.modules.batchnorm._BatchNorm, x: torch.Tens
 def keep_batchnorm_fp32(model: nn.Module) -> int:
     """Make BatchNorm layers compute in fp32 with fp32 running stats even when their weights are cast to
     bf16/fp16 (DeepSpeed's full-bf16/fp16 modes cast parameters, not buffers). An fp16 running_var above
-    65504 becomes inf and silently ruins inference (face.md §4). Returns the number of layers changed."""
+    65504 becomes inf and silently ruins inference (docs/face.md §4). Returns the number of layers changed."""
     n = 0
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):

@@ -3,7 +3,7 @@ the standard 10-fold accuracy of insightface's `.bin` packs (LFW, CFP-FP, AgeDB-
 
 A pair is accepted when its score is strictly above the threshold. For a target FAR x the threshold is the
 (k+1)-th highest impostor score with k = floor(x * #impostors), so that at most k impostors pass and the
-achieved FAR never exceeds x (face.md §5). FAR x is only resolvable with at least 1/x impostor pairs; below
+achieved FAR never exceeds x (docs/face.md §5). FAR x is only resolvable with at least 1/x impostor pairs; below
 that the row is flagged instead of pretending a precision the data does not have.
 """
 
@@ -68,7 +68,7 @@ def verification_metrics(scores: np.ndarray, same: np.ndarray, fars: tuple[float
     return out
 
 
-# ---- the insightface / LFW 10-fold protocol (face.md §1.5) -----------------------------------------------------------
+# ---- the insightface / LFW 10-fold protocol (docs/face.md §1.5) -----------------------------------------------------------
 KFOLD_THRESHOLDS = np.arange(0, 4, 0.01)
 """Squared-Euclidean distance thresholds of unit embeddings (range 0..4), as insightface's verification.py."""
 

@@ -40,7 +40,7 @@ class MarginHead(nn.Module):
     """Normalised class centres with an additive angular (ArcFace) or cosine (CosFace) margin.
 
     The logit and margin math always runs in fp32 with autocast disabled: cos/arccos near +-1 and the
-    scale s=64 overflow or lose all precision in fp16/bf16 (face.md §1.1: insightface keeps the FC path fp32).
+    scale s=64 overflow or lose all precision in fp16/bf16 (docs/face.md §1.1: insightface keeps the FC path fp32).
     """
 
     def __init__(self, dim: int, num_classes: int, kind: str = "arcface", margin: float = 0.5,

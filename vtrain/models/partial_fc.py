@@ -1,6 +1,6 @@
 """Partial FC: the margin-softmax head split by contiguous class ranges over the data-parallel ranks.
 
-Facts from insightface's arcface_torch (../../shared/reference/face.md §1.1, AF/partial_fc_v2.py): rank r owns
+Facts from insightface's arcface_torch (docs/face.md §1.1, AF/partial_fc_v2.py): rank r owns
 `num_local = C//W + (r < C%W)` class centres starting at `C//W*r + min(r, C%W)`, in fp32; embeddings and labels
 of the global batch are all-gathered; the softmax normaliser needs only two numbers per sample (all-reduced max and
 sum of exponentials) and the target logit lives on exactly one rank. With `sample_rate` R < 1 each rank keeps every
@@ -24,7 +24,7 @@ from vtrain.models.metric import margin_target
 
 
 def shard_range(num_classes: int, rank: int, world: int) -> tuple[int, int]:
-    """(class_start, num_local) of `rank` in arcface_torch's split (face.md §1.1)."""
+    """(class_start, num_local) of `rank` in arcface_torch's split (docs/face.md §1.1)."""
     base, rest = divmod(num_classes, world)
     return base * rank + min(rank, rest), base + (rank < rest)
 
@@ -87,7 +87,7 @@ class PartialFC(nn.Module):
         self.num_classes = num_classes
         self.class_start, self.num_local = shard_range(num_classes, rank, world)
         self.weight = nn.Parameter(torch.empty(self.num_local, dim))
-        nn.init.normal_(self.weight, std=0.01)  # arcface_torch's init (face.md §1.1)
+        nn.init.normal_(self.weight, std=0.01)  # arcface_torch's init (docs/face.md §1.1)
         self.register_buffer("touched", torch.zeros(self.num_local, dtype=torch.bool), persistent=False)
 
     def clear_touched(self) -> None:

@@ -4,7 +4,7 @@
 timm's `SwinTransformerBlock` (1.0.31) spends memory on N x N tensors per window and head (N = window area):
 - its default attention path (fused SDPA is "experimental" for Swin and off unless TIMM_FUSED_ATTN=2) computes
   the attention matrix explicitly: bf16 logits + the fp32 relative-position bias give fp32 logits, softmax saves its
-  fp32 output and the matmul with V a bf16 copy of it, in every block (the 4.1 of 9.48 GiB of memory_ckpt.md §2.4);
+  fp32 output and the matmul with V a bf16 copy of it, in every block (the 4.1 of 9.48 GiB of docs/memory_ckpt.md §2.4);
 - its fused path adds the shift mask, expanded over batch and heads, to the bias: a (B*nW, heads, N, N) tensor
   that SDPA keeps for backward, in every shifted block.
 

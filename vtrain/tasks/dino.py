@@ -59,7 +59,7 @@ def resolve_coco_data(data) -> CocoPaths:
 
 def test_sizes(image_size: int, max_size: int | None) -> tuple[int, int]:
     """Test-time resize (evaluation and `vtrain predict`): short side image_size, long side at most max_size,
-    by default image_size * 1333 / 800 (the recipe's 800/1333, dino.md §1.1)."""
+    by default image_size * 1333 / 800 (the recipe's 800/1333, docs/dino.md §1.1)."""
     return image_size, max_size or round(image_size * 1333 / 800)
 
 

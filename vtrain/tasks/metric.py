@@ -130,7 +130,7 @@ class MetricTask:
             if name not in self._packs:  # unpickled once per run, not at every evaluation
                 self._packs[name] = read_bin(path)
             images, same = self._packs[name]
-            pairs = np.arange(len(images)).reshape(-1, 2)  # pair i = images 2i, 2i+1 (face.md §1.5)
+            pairs = np.arange(len(images)).reshape(-1, 2)  # pair i = images 2i, 2i+1 (docs/face.md §1.5)
             sets.append(EvalSet(name, _Images(images, _PackImage(path), size), pairs, same))
         return sets
 
@@ -202,7 +202,7 @@ class MetricTask:
 
 def flip_embeddings(forward: Callable[..., dict[str, torch.Tensor]], images: torch.Tensor) -> torch.Tensor:
     """Evaluation embeddings (also `vtrain predict --task metric`): flip test-time augmentation, the sum of the
-    embeddings of the image and its mirror (face.md §1.5), L2-normalised in fp32."""
+    embeddings of the image and its mirror (docs/face.md §1.5), L2-normalised in fp32."""
     emb = forward(images=images)["embedding"].float() + forward(images=images.flip(-1))["embedding"].float()
     return F.normalize(emb, dim=1)
 

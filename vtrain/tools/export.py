@@ -53,7 +53,7 @@ class ExportReport:
 
 
 def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, verify: bool = True) -> ExportReport:
-    from vtrain.eval.run import load_model
+    from vtrain.tools.evaluate import load_model
 
     out = Path(out)
     if out.suffix != ".onnx":

@@ -126,7 +126,7 @@ def _output(out: Path, is_dir: bool) -> None:
 def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: str | None = None,
             **options: Any) -> PredictReport:
     """Detection or embeddings, by `task` or else by the checkpoint's own task."""
-    from vtrain.eval.run import checkpoint_task
+    from vtrain.tools.evaluate import checkpoint_task
 
     task = task or checkpoint_task(checkpoint)
     if task == "metric":
@@ -148,7 +148,7 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
     from vtrain.data.coco import collate, load_coco, normalize, test_transforms
     from vtrain.data.faces import decode_rgb
     from vtrain.eval.coco_eval import coco_detections
-    from vtrain.eval.run import load_model
+    from vtrain.tools.evaluate import load_model
     from vtrain.models.dino import postprocess
     from vtrain.tasks.dino import test_sizes, write_json_atomic
 
@@ -245,7 +245,7 @@ def predict_embeddings(checkpoint: str | Path, inputs: list[str], out: str | Pat
     from safetensors.torch import save_file
 
     from vtrain.data.faces import load_image
-    from vtrain.eval.run import load_model
+    from vtrain.tools.evaluate import load_model
     from vtrain.tasks.metric import flip_embeddings
 
     out = Path(out)

@@ -1,10 +1,10 @@
-"""DINO losses: sigmoid focal (alpha 0.25, gamma 2) x 1, L1 x 5, GIoU x 2 (dino.md §1.1) on every decoder layer,
+"""DINO losses: sigmoid focal (alpha 0.25, gamma 2) x 1, L1 x 5, GIoU x 2 (docs/dino.md §1.1) on every decoder layer,
 the encoder's top-k proposals and the denoising queries.
 
 Normalisation across processes: the number of target boxes is all-reduced once and divided by the world size
 once, so every rank divides its sum by the global mean. DDP/FSDP/ZeRO then average gradients over ranks, which
 gives sum-over-all-boxes / total boxes, the same as one process seeing the whole batch. (HF's DETR loss divides
-by the world size twice: dino.md §5.) Losses run in fp32 with autocast off.
+by the world size twice: docs/dino.md §5.) Losses run in fp32 with autocast off.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Contrastive denoising (CDN) queries: noised copies of the ground truth the decoder must reconstruct or reject.
 
-Semantics of MMD's `CdnQueryGenerator` with the recipe's `dn_cfg` (dino.md §1.1): dynamic groups,
+Semantics of MMD's `CdnQueryGenerator` with the recipe's `dn_cfg` (docs/dino.md §1.1): dynamic groups,
 `groups = num_dn_queries // max_targets` (at least 1); each group holds a positive half (box noise < half the
 box size; must reconstruct the box) and a negative half (noise in [1, 2) x half size; must predict "no object");
 labels are re-drawn with probability `label_noise * 0.5`. The self-attention mask keeps the matching queries

@@ -1,7 +1,7 @@
 """The DINO detector: timm backbone -> ChannelMapper neck -> deformable encoder -> two-stage mixed query
 selection (+ contrastive denoising) -> refining decoder -> per-layer class/box heads.
 
-Layout as MMD's `DINO` (dino.md §1.1-1.2): separate heads for each decoder layer plus one for the encoder
+Layout as MMD's `DINO` (docs/dino.md §1.1-1.2): separate heads for each decoder layer plus one for the encoder
 proposals, learned content queries, anchors from the encoder's top-k proposals. `forward` returns the loss dict
 when targets are given and predictions otherwise (inference also goes through `forward`, so sharded engines
 gather parameters in their hooks).
@@ -58,7 +58,7 @@ class Backbone(nn.Module):
 
 class ChannelMapper(nn.Module):
     """1x1 conv + GroupNorm(32) per backbone level to `dim`, plus 3x3 stride-2 conv + GN extra levels, the first
-    on the last backbone map (MMD ChannelMapper, dino.md §1.2)."""
+    on the last backbone map (MMD ChannelMapper, docs/dino.md §1.2)."""
 
     def __init__(self, in_channels: list[int], dim: int, levels: int) -> None:
         super().__init__()
@@ -223,7 +223,7 @@ class DINO(nn.Module):
 @torch.no_grad()
 def postprocess(pred_logits: torch.Tensor, pred_boxes: torch.Tensor, orig_sizes: torch.Tensor,
                 top_k: int = 300) -> list[dict[str, torch.Tensor]]:
-    """Top-k (query, class) pairs by sigmoid score per image (test_cfg.max_per_img=300, dino.md §1.1); boxes
+    """Top-k (query, class) pairs by sigmoid score per image (test_cfg.max_per_img=300, docs/dino.md §1.1); boxes
     as xyxy in original image pixels (orig_sizes: (B, 2) as (h, w))."""
     b, q, c = pred_logits.shape
     prob = pred_logits.float().sigmoid().view(b, -1)

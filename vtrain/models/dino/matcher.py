@@ -1,6 +1,6 @@
 """Hungarian matching of queries to ground truth (scipy's linear_sum_assignment), DINO costs 2/5/2.
 
-Costs (dino.md §1.1, MMD HungarianAssigner / official DINO): focal-loss class cost (alpha 0.25, gamma 2) x 2,
+Costs (docs/dino.md §1.1, MMD HungarianAssigner / official DINO): focal-loss class cost (alpha 0.25, gamma 2) x 2,
 L1 on normalised cxcywh x 5, negative GIoU x 2. Computed per image in fp32 on the device, solved on the CPU.
 """
 

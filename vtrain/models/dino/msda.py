@@ -4,9 +4,9 @@
 - `triton`: the fused forward/backward in `msda_triton.py`, registered as the torch custom op
   `vtrain::ms_deform_attn` (fake kernel + autograd), so FakeTensorMode (`vtrain estimate-memory`),
   torch.compile and activation checkpointing all see one op that saves only value, sampling locations and
-  attention weights for backward (../shared/reference/msda_kernels.md §1.4, §7.4).
+  attention weights for backward (docs/msda_kernels.md §1.4, §7.4).
 - `pytorch`: one bilinear `grid_sample` per level (zeros padding, align_corners=False), as the reference
-  fallbacks in dino.md §3; the reference for the tests and the CPU path. It keeps every sampled value for
+  fallbacks in docs/dino.md §3; the reference for the tests and the CPU path. It keeps every sampled value for
   backward (about 1.8 GB per encoder layer and image at 800x1333, 5 scales).
 - `auto`: Triton for CUDA tensors in fp32/bf16/fp16, the PyTorch path otherwise (`auto_impl` changes that choice,
   for the memory estimator tracing a GPU run on CPU).
@@ -62,7 +62,7 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Sequence[tuple[int, int]], sam
     """Deformable attention over a flattened multi-level feature map.
 
     value: (B, S, M, D) with S = sum(h*w) over levels, each level row-major, in level order; padded positions
-      are expected to be zeroed by the caller (the op takes no mask, msda_kernels.md §4.1);
+      are expected to be zeroed by the caller (the op takes no mask, docs/msda_kernels.md §4.1);
     spatial_shapes: [(h, w)] per level;
     sampling_locations: (B, Q, M, L, P, 2) as (x, y) in [0, 1] of each level's (padded) map; values outside
       sample zeros;
@@ -165,7 +165,7 @@ class MSDeformAttn(nn.Module):
 
     Precision: the projections run in the compute dtype (bf16 under autocast), the attention weights are a
     fp32 softmax, the sampling locations are fp32 (fp32 reference points + offsets: a bf16 location is off by
-    whole pixels on large levels, msda_kernels.md §1.6), and the op returns value's dtype."""
+    whole pixels on large levels, docs/msda_kernels.md §1.6), and the op returns value's dtype."""
 
     def __init__(self, dim: int = 256, levels: int = 4, heads: int = 8, points: int = 4) -> None:
         super().__init__()

@@ -1,6 +1,6 @@
 """DINO's deformable transformer: sine positions, encoder, two-stage query selection, refining decoder.
 
-Sizes and constants follow the recipe in ../shared/reference/dino.md §1 (6+6 layers, 256-d, 8 heads, 4 points,
+Sizes and constants follow the recipe in docs/dino.md §1 (6+6 layers, 256-d, 8 heads, 4 points,
 FFN 2048, dropout 0, sine positions with temperature 20, 900 queries). Blocks are named `...Block` so the
 engine's per-block FSDP2 sharding and activation checkpointing find them.
 """
@@ -25,7 +25,7 @@ def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
 def sine_position_2d(mask: torch.Tensor, num_feats: int, temperature: float = 20.0,
                      offset: float = 0.0) -> torch.Tensor:
     """(B, H, W) padding mask -> (B, 2*num_feats, H, W) normalised sine/cosine positions over the valid region
-    (MMD base config: normalize=True, offset 0.0, temperature 20; dino.md §1.1)."""
+    (MMD base config: normalize=True, offset 0.0, temperature 20; docs/dino.md §1.1)."""
     not_mask = (~mask).float()
     y = not_mask.cumsum(1)
     x = not_mask.cumsum(2)

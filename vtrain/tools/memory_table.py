@@ -1,4 +1,4 @@
-"""Rich tables for `vtrain estimate-memory` (the numbers come from engine/memory.py)."""
+"""Rich tables for `vtrain estimate-memory` (the numbers come from tools/memory.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Per-GPU training memory, predicted without a GPU: pure functions, no rendering (the CLI draws the table).
 
-Two parts (../shared/reference/memory_ckpt.md):
+Two parts (docs/memory_ckpt.md):
 - Model states: exact byte counts from the real model built on the meta device, partitioned as in the ZeRO paper
   (§2.1): mixed-precision Adam is 16 bytes/param unsharded: 2 (16-bit params) + 2 (16-bit grads) + 12 (fp32
   master, momentum, variance). vtrain's own engines keep fp32 parameters and gradients (4 + 4 + 8 = 16 bytes too).
@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces + NCCL: an allowance, not traced
-DEFAULT_DS_BUCKET = 5e8  # DeepSpeed's own reduce/allgather bucket default, in elements (memory_ckpt.md §2.2)
+DEFAULT_DS_BUCKET = 5e8  # DeepSpeed's own reduce/allgather bucket default, in elements (docs/memory_ckpt.md §2.2)
 VTRAIN_DS_BUCKET = 5e7  # the bucket size of vtrain's ds_configs/*.json
 
 
@@ -154,7 +154,7 @@ def deepspeed_reference(total_params: int, largest_layer: int, zero: int, offloa
 
 
 def comm_buffer_bytes(zero: int, buckets: tuple[float, float], overlap_comm: bool, precision: str) -> int:
-    """DeepSpeed's flat communication buffers (memory_ckpt.md §2.2): with overlap_comm about 4.5 x the reduce +
+    """DeepSpeed's flat communication buffers (docs/memory_ckpt.md §2.2): with overlap_comm about 4.5 x the reduce +
     allgather bucket sizes (HF's DeepSpeed docs: 5e8 -> 9 GB in 16-bit), else one of each."""
     if zero == 0:
         return 0
@@ -166,7 +166,7 @@ def comm_buffer_bytes(zero: int, buckets: tuple[float, float], overlap_comm: boo
 
 # ---- activations ----------------------------------------------------------------------------------------------
 # CUDA autocast's fp32 list, for the functions these models call (torch.amp "CUDA Ops that can autocast to
-# float32"); CPU autocast leaves them in bf16 (memory_ckpt.md §1.3).
+# float32"); CPU autocast leaves them in bf16 (docs/memory_ckpt.md §1.3).
 _CUDA_FP32 = [(F, "layer_norm"), (F, "group_norm"), (F, "softmax"), (F, "log_softmax"), (F, "normalize"),
               (F, "cross_entropy"), (F, "l1_loss"), (F, "binary_cross_entropy_with_logits"),
               (torch.Tensor, "softmax"), (torch.Tensor, "log_softmax")]
