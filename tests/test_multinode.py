@@ -42,13 +42,14 @@ def _start_machine(rank: int, port: int, acc_cfg: str, log, args: list[str]) -> 
     return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _two_machines(tmp_path, acc_cfg: str, args: list[str]) -> None:
-    """Start both machines, wait for both; on a failure or timeout kill both and show both logs."""
+def _two_machines(tmp_path, acc_cfg: str, args0: list[str], args1: list[str] | None = None) -> tuple[list, str]:
+    """Start both machines (machine 1 with `args1` when given), wait for both; a machine still running after the
+    other failed, or after the timeout, is killed. Returns the exit codes and both logs."""
     logs = [open(tmp_path / f"machine{r}.log", "w") for r in (0, 1)]
     procs = []
     try:
         port = _port()
-        procs = [_start_machine(r, port, acc_cfg, logs[r], args) for r in (0, 1)]
+        procs = [_start_machine(r, port, acc_cfg, logs[r], a) for r, a in enumerate((args0, args1 or args0))]
         deadline = time.monotonic() + TIMEOUT
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):
@@ -61,9 +62,8 @@ def _two_machines(tmp_path, acc_cfg: str, args: list[str]) -> None:
                 p.wait()
         for f in logs:
             f.close()
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0], "exit codes %s\n%s" % (codes, "\n".join(
-        f"--- machine {r} ---\n{(tmp_path / f'machine{r}.log').read_text()[-6000:]}" for r in (0, 1)))
+    text = "\n".join(f"--- machine {r} ---\n{(tmp_path / f'machine{r}.log').read_text()[-6000:]}" for r in (0, 1))
+    return [p.returncode for p in procs], text
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -71,7 +71,8 @@ def test_two_machines_then_resume_on_one(engine, faces, tmp_path):
     acc_cfg, rank1_file = ENGINES[engine]
     out = tmp_path / "run"
     common = ["--data", str(faces), "--output-dir", str(out), *ARGS]
-    _two_machines(tmp_path, acc_cfg, [*common, "--max-steps", str(STEPS)])
+    codes, logs = _two_machines(tmp_path, acc_cfg, [*common, "--max-steps", str(STEPS)])
+    assert codes == [0, 0], f"exit codes {codes}\n{logs}"
 
     # 1. one world of 2 over two nodes: each node's only process is its local rank 0
     info = run_info(out)
@@ -108,3 +109,17 @@ def test_two_machines_then_resume_on_one(engine, faces, tmp_path):
     final = complete_checkpoints(out)[-1]
     assert final.name == f"step_{STEPS + MORE}" and verify(final) is None
     assert read_train_state(final)["consumed_samples"] == (STEPS + MORE) * BATCH * 2
+
+
+def test_output_dir_not_shared_is_refused_at_start(faces, tmp_path):
+    """A node that writes --output-dir to a disk of its own (here: machine 1 given another path) would fail only
+    at the first save; the run stops before training with one line naming the rank that does not see it."""
+    common = ["--data", str(faces), *ARGS, "--max-steps", "2"]
+    codes, logs = _two_machines(tmp_path, "ddp.yaml", ["--output-dir", str(tmp_path / "run"), *common],
+                                ["--output-dir", str(tmp_path / "node1_local"), *common])
+    assert 0 not in codes, logs
+    assert f"--output-dir {tmp_path / 'run'} is not shared by every process (rank 1:" in logs, logs
+    # one line from rank 0; rank 1 exits quietly and cleanly (no gloo abort at interpreter exit)
+    assert logs.count("is not shared by every process") == 1 and "terminate called" not in logs, logs
+    assert "exitcode  : 2" in logs, logs
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / ".vtrain.lock").exists()
