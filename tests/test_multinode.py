@@ -33,7 +33,8 @@ TIMEOUT = 600
 
 
 def _start_machine(rank: int, port: int, acc_cfg: str, log, args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / acc_cfg),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--config_file", str(ROOT / "accelerate_configs" / acc_cfg),
            "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2",
            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
            # a machine whose partner never arrives gives up after 2 min, not torch elastic's default 10
