@@ -3,7 +3,7 @@
 Only `msda.py` calls this module, through the custom op; it is imported on the op's first real call, so that
 `TRITON_INTERPRET=1` (CPU tensors, the tests) can be set before the kernels below are decorated.
 
-Design (docs/msda_kernels.md §7, H100 in mind):
+Design (docs/msda_kernels.md §7, H100 in mind; the bare § numbers below are sections of that page):
 - One program per tile of BLOCK_Q queries x all D channels of one (batch, head). A corner gather is then one
   contiguous row of D values per query (64 B in bf16 at D = 32). Levels and points are constexpr loops; the
   level shapes (H_l, W_l, start_l) are read at run time from a small int32 tensor, so a new batch shape does not
