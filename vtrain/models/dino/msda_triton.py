@@ -157,7 +157,8 @@ def _bwd_kernel(grad_out_ptr, value_ptr, meta_ptr, loc_ptr, attn_ptr, grad_value
                      .to(grad_loc_ptr.dtype.element_ty), mask=qmask)
             tl.store(gloc_base + 2 * k + 1, (a * _row_sum(g * dy) * h.to(tl.float32))
                      .to(grad_loc_ptr.dtype.element_ty), mask=qmask)
-            # many (query, point) pairs hit the same pixel: scatter with atomics into the fp32 buffer (§7.3)
+            # many (query, point) pairs hit the same pixel: scatter with atomics into the fp32 buffer
+            # (docs/msda_kernels.md §7.3)
             ag0 = (a * gy)[:, None] * g
             ag1 = (a * fy)[:, None] * g
             q00 = gv_base + off
