@@ -41,7 +41,7 @@ FLAG_SECTIONS: dict[str, tuple[str, ...]] = {
     "parallel": ("mixed_precision", "ds_config", "fsdp"),
     "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
               "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
-              "overwrite_output_dir", "ema_decay", "ema_warmup", "keep_best", "report_to"),
+              "overwrite_output_dir", "ema_decay", "ema_warmup", "keep_best", "report_to", "compile"),
 }
 
 
@@ -136,6 +136,9 @@ def train(
         "better) outside --keep-last; recorded in checkpoints/best.json")] = None,
     report_to: Annotated[Optional[str], typer.Option(
         help="none, tensorboard (<output-dir>/tensorboard) or wandb: every logged number as a curve")] = None,
+    compile: Annotated[Optional[bool], typer.Option(
+        "--compile", help="Regional torch.compile: each backbone block and DINO encoder/decoder layer compiled on its "
+        "own, the rest eager (docs/compile.md)")] = None,
 ) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
     from vtrain.engine.interrupt import GracefulInterrupt

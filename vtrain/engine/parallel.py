@@ -22,6 +22,7 @@ from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 from torch import nn
 
 from vtrain.engine import precision as prec
+from vtrain.engine.compile import compiled_regions
 from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
@@ -466,6 +467,9 @@ class ParallelEngine:
             "dist_world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "model_class": type(self.model).__name__,
             "precision": self.plan.precision,
+            # --compile: the blocks whose forward really is a compiled region, read from the live modules
+            "compiled_regions": compiled_regions(self.model.module if self.plan.kind == "deepspeed"
+                                                 else self.unwrapped),
         }
         params = list(self.model.parameters())
         if self.plan.kind == "deepspeed":

@@ -32,6 +32,7 @@ from vtrain.engine import rundir
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted, ignore_in_worker
 from vtrain.engine import ema as ema_mod
 from vtrain.engine.best import BestKeeper
+from vtrain.engine.compile import compile_regions
 from vtrain.engine.logging import RunLogger, StepTimer, flat_hparams, memory_gb, tracker_name
 from vtrain.engine.optim import build_optimizer, build_scheduler, layer_decay_note
 from vtrain.engine.parallel import ParallelEngine, build_accelerator
@@ -162,6 +163,9 @@ class Trainer:
                                   and self.saved_state["world_size"] != self.world)
         if self.reshard_deepspeed:
             self.engine.use_universal_checkpoint()
+        # regional torch.compile (engine/compile.py): after activation checkpointing, before FSDP2 shards the same
+        # blocks, so each compiled forward runs inside its FSDP unit (torchtitan's order)
+        self.logger_notes += compile_regions(model, t, self.accelerator.device)
         model = self.engine.shard(model)
         # 5. parameter groups and optimizer (after FSDP2: they must see the DTensor parameters)
         optimizer = build_optimizer(model, cfg.optim, self.plan)

@@ -1,0 +1,127 @@
+"""Regional `torch.compile` (`--compile`): every residual/transformer block compiled on its own (docs/compile.md).
+
+The regions are the blocks FSDP2 shards one by one (`fsdp.shard_units`): each backbone block (timm ViT `Block`,
+`SwinTransformerBlock`, ResNet `Bottleneck`/`BasicBlock`), each DINO encoder and decoder layer. Everything between
+them (stems, patch merging, the neck, query selection, heads, the losses, DINO's Hungarian matcher, the margin head)
+runs eagerly: that glue is where shapes are data-dependent or the host is involved, and it costs little next to
+the blocks. A change of image size then recompiles a few small graphs, never one graph of the whole model.
+
+How a block is compiled (the order is torchtitan's `apply_compile`, pytorch/torchtitan
+torchtitan/models/llama3/infra/parallelize.py: activation checkpointing, then compile, then `fully_shard`):
+- the compiled function replaces the block's `forward` on the instance and calls the forward the block had before,
+  so activation checkpointing applied inside the block (an instance `forward`) is traced into the graph, while
+  checkpointing applied by a parent around the block call stays outside it;
+- the module's `__call__` and its hooks stay eager: FSDP2's pre-/post-forward hooks (parameter all-gather and
+  reshard) run around the compiled graph, never inside it, which is torchtitan's "compile the block inside the
+  FSDP unit";
+- parameters, buffers and submodules are untouched: state-dict keys stay those of the eager model (no `_orig_mod.`
+  prefix in checkpoints, EMA files or consolidated weights), and `eval`, `predict` and `export` build plain models.
+
+Recompiles: blocks that can share a graph (same class, same parameter shapes, same settings) form a group with one
+`torch.compile` call of its own (`isolate_recompiles=True`), so each group has dynamo's recompile budget
+(`recompile_limit`, 8 graphs) to itself. Shapes start static; when an input's size changes (DINO's multi-scale
+training, aspect-ratio buckets, the number of denoising queries) dynamo recompiles once with that dimension
+symbolic ("automatic dynamic shapes") and later sizes reuse that graph. A group that reaches its limit runs
+eagerly from then on for inputs no graph accepts (dynamo's warning names the function and the guard that failed);
+the run stays correct, only slower.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from vtrain.config import TrainConfig
+from vtrain.engine.fsdp import shard_units
+from vtrain.errors import VtrainError
+
+
+def _run_region(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # The block's forward from before compile: its class's, or the checkpointed forward activation checkpointing
+    # put on the instance. Looked up on `self` (no closure over the block) so every block of a group shares the
+    # one compiled function, and a deep copy of the model calls its own blocks.
+    return self._vtrain_eager_forward(*args, **kwargs)
+
+
+def _group_key(block: nn.Module) -> tuple:
+    """What dynamo guards on and so specialises a graph to: the block's class, the forward it runs, its parameter
+    and buffer shapes and dtypes, and the plain settings of the block and its submodules (e.g. Swin's shift)."""
+    fwd = getattr(block.forward, "__func__", block.forward)
+    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in [*block.named_parameters(), *block.named_buffers()])
+    settings = tuple((name, k, v) for name, m in block.named_modules() for k, v in sorted(vars(m).items())
+                     if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple)))
+    return type(block), fwd, tensors, settings
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """Fail before training when the backend cannot run here: inductor generates C++ on CPU (a C++ compiler is
+    needed) and Triton on GPU. Its own error would come in the first step, deep inside a traceback."""
+    if backend != "inductor":
+        return
+    if device.type == "cpu":
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            get_cpp_compiler()
+        except Exception as e:  # inductor's own search: no g++/clang++ (or $CXX) found
+            raise VtrainError(f"--compile: inductor needs a C++ compiler on CPU ({' '.join(str(e).split())[:200]}); "
+                              "install g++ or train without --compile") from None
+    elif device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise VtrainError("--compile: inductor needs Triton on the GPU and it is not usable here; install the "
+                              "triton package that matches torch or train without --compile")
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> list[str]:
+    """Compile each block of `model` in place (lazily: dynamo traces at a block's first call). Returns the names
+    of the compiled blocks. Call after activation checkpointing and before FSDP2 (`apply_fsdp2`).
+
+    `fullgraph=True` turns a graph break inside a block into an error (tests). Training leaves it off: DeepSpeed
+    ZeRO-3 gathers parameters in submodule hooks that dynamo must not trace, which breaks a block's graph."""
+    blocks = shard_units(model)
+    if not blocks:
+        raise VtrainError(f"--compile: {type(model).__name__} has no residual/transformer blocks to compile")
+    groups: dict[tuple, list[nn.Module]] = {}
+    for b in blocks:
+        groups.setdefault(_group_key(b), []).append(b)
+    for i, members in enumerate(groups.values()):
+        fn = torch.compile(_run_region, backend=backend, fullgraph=fullgraph, isolate_recompiles=True,
+                           name=f"vtrain_region_{i}_{type(members[0]).__name__}")
+        for b in members:
+            b._vtrain_eager_forward = b.forward
+            b._vtrain_compile_group = i
+            b.forward = types.MethodType(fn, b)
+    return compiled_regions(model)
+
+
+def compiled_regions(model: nn.Module) -> list[str]:
+    """Names of the blocks whose forward is a compiled region now, read from the live modules (run_info.json)."""
+    return [name for name, m in model.named_modules() if "_vtrain_compile_group" in vars(m)
+            and getattr(vars(m).get("forward"), "__self__", None) is m]
+
+
+def compile_groups(model: nn.Module) -> int:
+    """How many separately compiled groups the regions form (each with its own recompile budget)."""
+    return len({vars(m)["_vtrain_compile_group"] for m in model.modules() if "_vtrain_compile_group" in vars(m)})
+
+
+def compile_regions(model: nn.Module, t: TrainConfig, device: torch.device) -> list[str]:
+    """`--compile` on a built model: the build-order step (the trainer's one call). Returns the log line, if any."""
+    if not t.compile:
+        return []
+    check_backend(t.compile_backend, device)
+    apply_compile(model, t.compile_backend)
+    return [describe(model, t.compile_backend)]
+
+
+def describe(model: nn.Module, backend: str) -> str:
+    """The one log line: how many regions are compiled and what runs eagerly."""
+    regions = compiled_regions(model)
+    return (f"--compile: {len(regions)} regions compiled separately with torch.compile(backend={backend}) in "
+            f"{compile_groups(model)} groups ({regions[0]} ... {regions[-1]}); everything between them runs eagerly; "
+            "shapes are static until one changes, then that dimension is compiled dynamic")
