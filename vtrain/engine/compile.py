@@ -17,13 +17,13 @@ torchtitan/models/llama3/infra/parallelize.py: activation checkpointing, then co
 - parameters, buffers and submodules are untouched: state-dict keys stay those of the eager model (no `_orig_mod.`
   prefix in checkpoints, EMA files or consolidated weights), and `eval`, `predict` and `export` build plain models.
 
-Recompiles: blocks that can share a graph (same class, same parameter shapes, same settings) form a group with one
-`torch.compile` call of its own (`isolate_recompiles=True`), so each group has dynamo's recompile budget
-(`recompile_limit`, 8 graphs) to itself. Shapes start static; when an input's size changes (DINO's multi-scale
-training, aspect-ratio buckets, the number of denoising queries) dynamo recompiles once with that dimension
-symbolic ("automatic dynamic shapes") and later sizes reuse that graph. A group that reaches its limit runs
-eagerly from then on for inputs no graph accepts (dynamo's warning names the function and the guard that failed);
-the run stays correct, only slower.
+Shapes: a task whose inputs change size every step (DINO: multi-scale resize, batches padded to their largest
+image, the number of denoising queries) compiles with sizes symbolic from the start (`dynamic=True`); a task of
+fixed crops (metric) keeps torch's default, static graphs until a size changes (evaluation's batch), then that size
+symbolic. Recompiles: blocks that can share a graph (same class, same parameter shapes, same settings) form a
+group with one `torch.compile` call of its own (`isolate_recompiles=True`) and its own recompile budget
+(`RECOMPILE_LIMIT` graphs). A group that reaches it runs eagerly from then on for inputs no cached graph accepts
+(dynamo's warning names the function and the guard that failed last): the run stays correct, only slower.
 """
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ from torch import nn
 from vtrain.config import TrainConfig
 from vtrain.engine.fsdp import shard_units
 from vtrain.errors import VtrainError
+
+
+# Graphs one group may need even with symbolic sizes: training and evaluation (grad mode, eval flag) x the shape
+# classes a Swin block specialises on (each side a multiple of the window or padded; one window per row or column
+# at the coarsest stage of a small image) x a first-compile specialisation when two sizes happen to be equal
+# (dynamo's duck sizing gives them one symbol). torch's default of 8 for all of that could push a Swin group
+# into eager mid-run; twice that still stops a block that recompiles every step after 16 compiles.
+RECOMPILE_LIMIT = 16
 
 
 def _run_region(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -77,9 +85,15 @@ def check_backend(backend: str, device: torch.device) -> None:
                               "triton package that matches torch or train without --compile")
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> list[str]:
+def apply_compile(model: nn.Module, backend: str = "inductor", sizes_vary: bool = False,
+                  fullgraph: bool = False) -> list[str]:
     """Compile each block of `model` in place (lazily: dynamo traces at a block's first call). Returns the names
     of the compiled blocks. Call after activation checkpointing and before FSDP2 (`apply_fsdp2`).
+
+    `sizes_vary`: the inputs change size from step to step (DINO). Their sizes are then symbolic from the first
+    compile (`dynamic=True`): a static graph would serve one step and be compiled again dynamic at the next.
+    Otherwise torch's default (`dynamic=None`): static graphs, and a size that does change (the evaluation batch)
+    is made symbolic at its first change.
 
     `fullgraph=True` turns a graph break inside a block into an error (tests). Training leaves it off: DeepSpeed
     ZeRO-3 gathers parameters in submodule hooks that dynamo must not trace, which breaks a block's graph."""
@@ -90,7 +104,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
     for b in blocks:
         groups.setdefault(_group_key(b), []).append(b)
     for i, members in enumerate(groups.values()):
-        fn = torch.compile(_run_region, backend=backend, fullgraph=fullgraph, isolate_recompiles=True,
+        fn = torch.compile(_run_region, backend=backend, dynamic=True if sizes_vary else None, fullgraph=fullgraph,
+                           isolate_recompiles=True, recompile_limit=RECOMPILE_LIMIT,
                            name=f"vtrain_region_{i}_{type(members[0]).__name__}")
         for b in members:
             b._vtrain_eager_forward = b.forward
@@ -110,18 +125,21 @@ def compile_groups(model: nn.Module) -> int:
     return len({vars(m)["_vtrain_compile_group"] for m in model.modules() if "_vtrain_compile_group" in vars(m)})
 
 
-def compile_regions(model: nn.Module, t: TrainConfig, device: torch.device) -> list[str]:
-    """`--compile` on a built model: the build-order step (the trainer's one call). Returns the log line, if any."""
+def compile_regions(model: nn.Module, t: TrainConfig, device: torch.device, sizes_vary: bool) -> list[str]:
+    """`--compile` on a built model: the build-order step (the trainer's one call). `sizes_vary`: the task's
+    inputs change size from step to step (DINO). Returns the log line, if any."""
     if not t.compile:
         return []
     check_backend(t.compile_backend, device)
-    apply_compile(model, t.compile_backend)
-    return [describe(model, t.compile_backend)]
+    apply_compile(model, t.compile_backend, sizes_vary)
+    return [describe(model, t.compile_backend, sizes_vary)]
 
 
-def describe(model: nn.Module, backend: str) -> str:
-    """The one log line: how many regions are compiled and what runs eagerly."""
+def describe(model: nn.Module, backend: str, sizes_vary: bool) -> str:
+    """The one log line: how many regions are compiled, what runs eagerly, how shapes are treated."""
     regions = compiled_regions(model)
+    shapes = ("input sizes symbolic from the first compile" if sizes_vary else
+              "static shapes until a size changes, then that size symbolic")
     return (f"--compile: {len(regions)} regions compiled separately with torch.compile(backend={backend}) in "
-            f"{compile_groups(model)} groups ({regions[0]} ... {regions[-1]}); everything between them runs eagerly; "
-            "shapes are static until one changes, then that dimension is compiled dynamic")
+            f"{compile_groups(model)} groups ({regions[0]} ... {regions[-1]}), {shapes}; everything between them "
+            "runs eagerly")

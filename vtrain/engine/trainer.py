@@ -165,7 +165,7 @@ class Trainer:
             self.engine.use_universal_checkpoint()
         # regional torch.compile (engine/compile.py): after activation checkpointing, before FSDP2 shards the same
         # blocks, so each compiled forward runs inside its FSDP unit (torchtitan's order)
-        self.logger_notes += compile_regions(model, t, self.accelerator.device)
+        self.logger_notes += compile_regions(model, t, self.accelerator.device, self.task.input_sizes_vary)
         model = self.engine.shard(model)
         # 5. parameter groups and optimizer (after FSDP2: they must see the DTensor parameters)
         optimizer = build_optimizer(model, cfg.optim, self.plan)
