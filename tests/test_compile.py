@@ -23,7 +23,7 @@ from vtrain.models.dino import DINO
 from vtrain.tasks.dino import DinoTask
 
 COMMON = ["--batch-size", "8", "--log-every", "1", "--num-workers", "0", "--embedding-dim", "32", "--head", "cosface",
-          "--scale", "16", "--lr", "3e-3", "--mixed-precision", "no", "--save-every", "2"]
+          "--scale", "16", "--lr", "3e-3", "--mixed-precision", "no", "--save-every", "2", "--ema-decay", "0.9"]
 
 
 @pytest.fixture
@@ -53,9 +53,10 @@ def test_metric_compiled_run_matches_eager_keeps_the_keys_and_resumes(faces, tmp
     compiled = [r["loss"] for r in metrics(run)]
     assert compiled == pytest.approx(eager, rel=1e-4)
     # checkpoints hold the eager model's names (no `_orig_mod.`), so consolidate / eval / predict read them as ever
-    a = load_file(str(complete_checkpoints(tmp_path / "eager")[-1] / "model.safetensors"))
-    b = load_file(str(complete_checkpoints(run)[-1] / "model.safetensors"))
-    assert sorted(a) == sorted(b) and not any("_orig_mod" in k for k in b)
+    for name in ("model.safetensors", "ema.safetensors"):
+        a = load_file(str(complete_checkpoints(tmp_path / "eager")[-1] / name))
+        b = load_file(str(complete_checkpoints(run)[-1] / name))
+        assert sorted(a) == sorted(b) and not any("_orig_mod" in k for k in b), name
     # resume the compiled run (its compiled graphs come from inductor's on-disk cache) and go one step further
     proc = ok(vtrain("train", "--output-dir", str(run), "--compile", "--resume", "auto", *args[:2], "--max-steps", "4",
                      *COMMON, extra_env=cache))
