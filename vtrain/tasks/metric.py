@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
@@ -20,6 +19,7 @@ from vtrain.data.recordio import RecordFaces
 from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
 from vtrain.data.verification_bin import read_bin
+from vtrain.dist import gather_tensors
 from vtrain.errors import VtrainError
 from vtrain.eval.verification import pack_metrics, verification_metrics
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
@@ -169,11 +169,7 @@ class MetricTask:
         chunks = []
         for imgs in loader:
             chunks.append(flip_embeddings(forward, imgs.to(device, input_dtype)))
-        local = torch.cat(chunks)
-        if world > 1:
-            gathered = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(gathered, local)
-            local = torch.cat(gathered)
+        local = torch.cat(gather_tensors(torch.cat(chunks)))  # every rank's, in rank order
         return local[:n].cpu()
 
     @staticmethod
