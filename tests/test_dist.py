@@ -36,6 +36,7 @@ def _one_process_checks() -> None:
     assert flag.shape == () and flag.item() == 1.0  # the caller's tensor is left alone
     assert comm.all_sum(t) is t
     assert comm.all_mean_(t) is t and t.tolist() == [1.0, 2.0]
+    assert comm.all_max_(t) is t and t.tolist() == [1.0, 2.0]
     assert comm.mean_over_ranks(2.5, "cpu") == 2.5
     assert comm.broadcast_from_main(lambda: [1, "x"]) == [1, "x"]
 
@@ -83,6 +84,7 @@ def _two_ranks(rank: int, port: int, path: str) -> None:
         r["sum"] = comm.all_sum(local).tolist()
         r["sum_left_alone"] = local.tolist()
         r["mean"] = comm.all_mean_(torch.tensor([float(rank), 4.0])).tolist()
+        r["max"] = comm.all_max_(torch.tensor([float(rank), -float(rank)])).tolist()
         r["mean_float"] = comm.mean_over_ranks(float(rank) + 1.0, "cpu")
         r["broadcast"] = comm.broadcast_from_main(lambda: f"decided by rank {rank}")
 
@@ -105,14 +107,14 @@ def test_two_processes_agree(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"r.{r}").read_text()) for r in range(2))
     assert (r0["world"], r0["rank"], r0["main"]) == (2, 0, True)
     assert (r1["world"], r1["rank"], r1["main"]) == (2, 1, False)
-    for key in ("objects", "tensors", "all_true_mixed", "all_true_both", "finite_one_nan", "sum", "mean",
+    for key in ("objects", "tensors", "all_true_mixed", "all_true_both", "finite_one_nan", "sum", "mean", "max",
                 "mean_float", "broadcast"):
         assert r0[key] == r1[key], key
     assert r0["objects"] == [{"rank": 0, "files": ["f0"]}, {"rank": 1, "files": ["f1"]}]
     assert r0["tensors"] == [[0, 10], [1, 11]]
     assert r0["all_true_mixed"] is False and r0["all_true_both"] is True and r0["finite_one_nan"] is False
     assert r0["sum"] == [1.0] and (r0["sum_left_alone"], r1["sum_left_alone"]) == ([0.0], [1.0])
-    assert r0["mean"] == [0.5, 4.0] and r0["mean_float"] == 1.5
+    assert r0["mean"] == [0.5, 4.0] and r0["mean_float"] == 1.5 and r0["max"] == [1.0, 0.0]
     assert r0["broadcast"] == "decided by rank 0"
     # rank 0 reports the error; the other rank stops with the same message, quietly (the CLI prints it once)
     assert r0["error"] == ["VtrainError", "the file is damaged", False]

@@ -87,6 +87,13 @@ def all_mean_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_max_(t: torch.Tensor) -> torch.Tensor:
+    """Replace `t` by its elementwise maximum over ranks, in place; returns `t`."""
+    if world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def mean_over_ranks(value: float, device: torch.device | str) -> float:
     """The mean of a host number over ranks, sent in float64 from `device` (NCCL needs a CUDA tensor); the number
     itself on one process, without a device round trip."""
