@@ -133,7 +133,7 @@ def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[Output
                 ckpt.remove(p)
             for n in logs:
                 (out / n).unlink()
-            (ckpt.checkpoint_dir(out) / "best.json").unlink(missing_ok=True)  # --keep-best of the deleted run
+            (ckpt.checkpoint_dir(out) / ckpt.BEST).unlink(missing_ok=True)  # --keep-best of the deleted run
             if existing:
                 notes.append(f"--overwrite-output-dir: deleted {len(existing)} checkpoints of the earlier run in {out}")
     except BaseException:
