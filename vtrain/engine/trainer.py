@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from vtrain.config import RunConfig
 from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import SkipBadSamples
-from vtrain.dist import AgreedError, all_mean_, broadcast_from_main, gather_objects, leave
+from vtrain.dist import all_mean_, broadcast_from_main, gather_objects, leave
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import faults, head_shard, rundir
 from vtrain.engine.checkpointer import Checkpointer
@@ -59,7 +59,7 @@ class Trainer:
         # the run's lineage (checkpointer.py)
         self.lock = None
         notes = broadcast_from_main(self._claim_output_dir)
-        self._check_shared_output_dir()
+        rundir.check_shared(self.out, self.lock)  # collective: every rank sees rank 0's lock
         self.checkpointer = Checkpointer(cfg, self.plan, self.accelerator)
         self.logger_notes: list[str] = notes + self.checkpointer.choose()
         self.resumed_from = self.checkpointer.resume_from
@@ -153,18 +153,6 @@ class Trainer:
         self.lock, notes = rundir.claim(self.out, t.resume, t.overwrite_output_dir)
         atexit.register(self.lock.release)  # also on errors; a killed run's lock is detected as stale
         return notes
-
-    def _check_shared_output_dir(self) -> None:
-        """Every rank must see the directory rank 0 just locked: all ranks write their shards into one checkpoint
-        folder that rank 0 renames, so on several nodes --output-dir must be on a file system they all mount.
-        Checked here rather than found at the first save, which may be hours in. Collective."""
-        problem = rundir.lock_seen(self.out, broadcast_from_main(lambda: self.lock.owner["token"]))
-        bad = [f"rank {r}: {p}" for r, p in enumerate(gather_objects(problem)) if p]
-        if bad:
-            error = (f"--output-dir {self.out} is not shared by every process ({'; '.join(bad)}): all ranks write "
-                     "each checkpoint into one directory, so put it on a file system every node mounts at the same "
-                     "path (docs/multinode.md)")
-            raise VtrainError(error) if self.is_main else AgreedError(error)
 
     # ---- one optimizer step ------------------------------------------------------------------------------------
     def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
