@@ -12,8 +12,9 @@ import torch
 
 from conftest import ok, vtrain
 from test_msda import interpret  # noqa: F401 (fixture: the Triton kernels under the interpreter)
-from vtrain.tools.memory import (LiveBytes, Setup, allocator_peak, deepspeed_reference, model_facts,
-                                  estimate, max_batch_that_fits, model_state_bytes, profiled_peak, trace_step)
+from vtrain.tools.memory import deepspeed_reference, estimate, max_batch_that_fits, model_facts, model_state_bytes
+from vtrain.tools.memory_setup import Setup
+from vtrain.tools.memory_trace import LiveBytes, allocator_peak, profiled_peak, trace_step
 
 
 CASES = [("dino", "debug", (128, 160), 2), ("metric", "debug", (112, 112), 8)]

@@ -332,7 +332,8 @@ def estimate_memory_cmd(
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
     from rich.console import Console  # after the checks above: a bad number is reported without importing torch
 
-    from vtrain.tools.memory import estimate_report, setup_from
+    from vtrain.tools.memory import estimate_report
+    from vtrain.tools.memory_setup import setup_from
 
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
