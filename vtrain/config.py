@@ -20,6 +20,8 @@ import yaml
 
 from vtrain.ds_json import check_structure
 from vtrain.errors import ConfigError
+from vtrain.files import cache_root, directory_problem
+from vtrain.presets import presets_for
 
 TASKS = ("metric", "dino")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
@@ -37,16 +39,6 @@ def _check(cond: bool, flag: str, msg: str) -> None:
     if not cond:
         key = _flag_keys().get(flag)
         raise ConfigError(f"{flag} ({key}): {msg}" if key else f"{flag}: {msg}")
-
-
-def directory_problem(path: str | Path) -> str | None:
-    """Why `path` cannot be (or become) a directory: it, or the nearest part of it that exists, is a file."""
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    if p.exists() and not p.is_dir():
-        return f"{p} is a file, not a directory" + (f" (in {path})" if p != Path(path) else "")
-    return None
 
 
 # flags whose name is not the field name with dashes
@@ -174,8 +166,6 @@ class DataConfig:
             _check(p.is_dir() or (p.is_file() and p.suffix == ".bin"), "--data",
                    f"not a directory (or a verification .bin pack): {self.path}")
         else:  # the demo data is written to the cache: a bad VTRAIN_CACHE is reported now, not after start-up
-            from vtrain.data.cache import cache_root
-
             cache_root()
         if self.val_targets is not None:  # `lfw, agedb_30` from a flag or YAML; also built directly by `vtrain eval`
             items = self.val_targets.split(",") if isinstance(self.val_targets, str) else self.val_targets
@@ -337,8 +327,6 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        from vtrain.presets import presets_for
-
         _check(self.task in TASKS, "--task", f"choose one of {TASKS}")
         names = presets_for(self.task)
         _check(self.model.preset in names, "--model",

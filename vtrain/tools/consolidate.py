@@ -25,6 +25,7 @@ import torch
 
 from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
+from vtrain.files import write_json_atomic
 from vtrain.safeio import check_dcp, dcp_refusals, enforce_weights_only
 
 Item = tuple[str, torch.Tensor, bool]  # name, tensor, is_buffer
@@ -477,9 +478,7 @@ class _ShardWriter:
                      "weight_map": {k: final.name for s, final in zip(self.shards, finals)
                                     for k in (s["header"] or s["tensors"])}}
             idx = self.out.parent / f"{self.out.name}.index.json"
-            tmp = idx.parent / f".{idx.name}.tmp"
-            tmp.write_text(json.dumps(index, indent=2))
-            os.replace(tmp, idx)
+            write_json_atomic(idx, index, indent=2)
             written.append(str(idx))
         return written
 

@@ -150,7 +150,8 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
     from vtrain.eval.coco_eval import coco_detections
     from vtrain.tools.evaluate import load_model
     from vtrain.models.dino import postprocess
-    from vtrain.tasks.dino import test_sizes, write_json_atomic
+    from vtrain.files import write_json_atomic
+    from vtrain.tasks.dino import test_sizes
 
     if not 0.0 <= score_threshold <= 1.0:
         raise VtrainError(f"--score-threshold: must be in [0, 1], got {score_threshold}")
