@@ -22,7 +22,7 @@ from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
 from vtrain.files import write_json_atomic
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.dino import DINO, postprocess
-from vtrain.tasks import build_model
+from vtrain.tasks.model import build_model
 
 GRAD_CKPT_PARTS = ("backbone", "encoder", "decoder")
 

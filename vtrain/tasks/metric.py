@@ -24,7 +24,7 @@ from vtrain.errors import VtrainError
 from vtrain.eval.verification import pack_metrics, verification_metrics
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.metric import MetricModel
-from vtrain.tasks import build_model
+from vtrain.tasks.model import build_model
 
 GRAD_CKPT_PARTS = ("backbone",)
 
