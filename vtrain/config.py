@@ -32,6 +32,7 @@ HEAD_PARALLEL = ("none", "sharded")
 NECK_NORMS = ("bn", "ln", "none")
 MAX_QUERIES, MAX_DN_QUERIES = 5000, 2000
 MIN_DETECTION_SIZE = 64  # the coarsest DINO level has stride 64 (presets.py): smaller inputs leave it empty
+DEMO_DATA = "demo"  # --data demo: the task's built-in data set (data/demo.py)
 
 
 def _check(cond: bool, flag: str, msg: str) -> None:
@@ -161,7 +162,7 @@ class DataConfig:
         if self.path.startswith("hf:"):  # a Hugging Face datasets folder or parquet file(s) (data/hf.py)
             _check(Path(self.path[3:]).exists() or bool(glob.glob(self.path[3:])), "--data",
                    f"no such Hugging Face datasets folder or parquet file: {self.path[3:]}")
-        elif self.path != "demo":
+        elif self.path != DEMO_DATA:
             p = Path(self.path)
             _check(p.is_dir() or (p.is_file() and p.suffix == ".bin"), "--data",
                    f"not a directory (or a verification .bin pack): {self.path}")

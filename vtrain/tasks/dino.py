@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Subset
 
 from vtrain.config import RunConfig
 from vtrain.data.coco import CocoDetection, collate
-from vtrain.data.demo_shapes import ensure_demo_shapes
+from vtrain.data.demo import data_root
 from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
 from vtrain.errors import VtrainError
@@ -35,10 +35,11 @@ class CocoPaths:
     val_images: Path | None
 
 
-def resolve_coco_data(data) -> CocoPaths:
-    """--data DIR in COCO layout (annotations/instances_{train,val}2017.json, train2017/, val2017/) or `demo`;
-    explicit --train-ann/--train-images/--val-ann/--val-images win over the layout."""
-    root = ensure_demo_shapes() if data.path == "demo" else Path(data.path)
+def resolve_coco_data(data, root: Path | None = None) -> CocoPaths:
+    """--data DIR in COCO layout (annotations/instances_{train,val}2017.json, train2017/, val2017/); explicit
+    --train-ann/--train-images/--val-ann/--val-images win over the layout. `root`: where --data points, `demo`
+    already turned into its directory (data/demo.py); default: --data."""
+    root = Path(data.path) if root is None else root
 
     def pick(explicit: str | None, default: Path) -> Path | None:
         if explicit:
@@ -78,7 +79,7 @@ class DinoTask:
                                     ("--val-ann", cfg.data.val_ann), ("--val-images", cfg.data.val_images)) if v]
             if given:
                 raise VtrainError(f"{', '.join(given)}: not used with --data {cfg.data.path} (its splits are the data)")
-        self.paths = None if self.hf is not None else resolve_coco_data(cfg.data)
+        self.paths = None if self.hf is not None else resolve_coco_data(cfg.data, data_root(self.name, cfg.data.path))
         self.size, self.max_size = test_sizes(cfg.model.image_size, cfg.data.max_size)
         self._train: CocoDetection | None = None
         self._val: CocoDetection | None = None
