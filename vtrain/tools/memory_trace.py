@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from vtrain.config import ModelConfig
 from vtrain.data.coco import PAD_DIVISOR
 from vtrain.models.dino.msda import auto_impl
-from vtrain.tasks import build_model as build_task_model
+from vtrain.tasks.model import build_model as build_task_model
 from vtrain.tools.memory_setup import Setup
 
 # CUDA autocast's fp32 list, for the functions these models call (torch.amp "CUDA Ops that can autocast to
