@@ -50,6 +50,7 @@ CONFIG_ONLY = frozenset({"max_impostor_pairs", "betas", "min_lr_ratio", "milesto
 
 
 def flag_of(name: str) -> str:
+    """The `vtrain train` flag of a config field: its name with dashes, or its rename (`path` is --data)."""
     return _FLAG_RENAMES.get(name, "--" + name.replace("_", "-"))
 
 
@@ -59,8 +60,7 @@ def _where(section: str, name: str) -> str:
 
 
 def _flag_keys() -> dict[str, str]:
-    return {flag_of(f.name): f"{section}.{f.name}" for section, cls in _SECTION_CLASSES.items() for f in fields(cls)
-            if f.name not in CONFIG_ONLY}
+    return {flag_of(name): f"{section}.{name}" for section, names in FLAG_SECTIONS.items() for name in names}
 
 
 @dataclass
@@ -358,6 +358,10 @@ class RunConfig:
 
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
                     "parallel": ParallelConfig, "train": TrainConfig}
+
+# the fields with a `vtrain train` flag of their own (flag_of names it), per section: all but CONFIG_ONLY
+FLAG_SECTIONS: dict[str, tuple[str, ...]] = {section: tuple(f.name for f in fields(cls) if f.name not in CONFIG_ONLY)
+                                              for section, cls in _SECTION_CLASSES.items()}
 
 # Defaults that differ per task, applied below the YAML file and the flags.
 TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
