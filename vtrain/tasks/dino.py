@@ -58,8 +58,9 @@ def resolve_coco_data(data, root: Path | None = None) -> CocoPaths:
 
 
 def test_sizes(image_size: int, max_size: int | None) -> tuple[int, int]:
-    """Test-time resize (evaluation and `vtrain predict`): short side image_size, long side at most max_size,
-    by default image_size * 1333 / 800 (the recipe's 800/1333, docs/dino.md §1.1)."""
+    """Test-time resize (evaluation, `vtrain predict`, the size `estimate-memory` traces): short side image_size,
+    long side at most max_size, by default image_size * 1333 / 800 (the recipe's 800/1333, docs/dino.md §1.1).
+    The one place that rule is written."""
     return image_size, max_size or round(image_size * 1333 / 800)
 
 

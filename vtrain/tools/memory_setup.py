@@ -12,6 +12,7 @@ from vtrain.config import build_config, read_yaml
 from vtrain.engine.plan import resolve_precision
 from vtrain.errors import VtrainError
 from vtrain.presets import presets_for
+from vtrain.tasks.dino import test_sizes
 
 DEFAULT_DS_BUCKET = 5e8  # DeepSpeed's own reduce/allgather bucket default, in elements (docs/memory_ckpt.md §2.2)
 VTRAIN_DS_BUCKET = 5e7  # the bucket size of vtrain's ds_configs/*.json
@@ -81,7 +82,7 @@ def parse_image_size(text: str, task: str) -> tuple[int, int]:
         raise VtrainError(f"--image-size: expected HxW or S, got {text!r}") from None
     if len(nums) == 1:
         s = nums[0]
-        nums = [s, round(s * 1333 / 800)] if task == "dino" else [s, s]
+        nums = list(test_sizes(s, None)) if task == "dino" else [s, s]
     if len(nums) != 2 or min(nums) < 32:
         raise VtrainError(f"--image-size: expected HxW or S with sides >= 32, got {text!r}")
     return nums[0], nums[1]
@@ -95,7 +96,7 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         cfg = build_config(None, read_yaml(config))
         s.task, s.preset, s.batch_size = cfg.task, cfg.model.preset, cfg.train.batch_size
         size = cfg.model.image_size
-        s.image_size = (size, cfg.data.max_size or round(size * 1333 / 800)) if cfg.task == "dino" else (size, size)
+        s.image_size = test_sizes(size, cfg.data.max_size) if cfg.task == "dino" else (size, size)
         s.precision = resolve_precision(cfg.parallel.mixed_precision)
         s.grad_ckpt = tuple(cfg.model.grad_ckpt)
         s.fsdp = cfg.parallel.fsdp
