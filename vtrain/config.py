@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import math
 import types
 import typing
@@ -18,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from vtrain.ds_json import check_structure
+from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
 from vtrain.errors import ConfigError
 from vtrain.files import cache_root, directory_problem
 from vtrain.presets import presets_for
@@ -241,10 +240,7 @@ class ParallelConfig:
         if self.ds_config is not None:
             p = Path(self.ds_config)
             _check(p.is_file(), "--ds-config", f"file not found: {self.ds_config}")
-            try:
-                raw = json.loads(p.read_text())
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"--ds-config: {self.ds_config} is not valid JSON ({e})") from None
+            raw = read_json(self.ds_config, DS_CONFIG_UNREADABLE)
             # the JSON's own structure is checked now (a pure function of the file, no DeepSpeed import), so a
             # typo there is one line before start-up; the values vtrain owns are filled in at launch (plan.py)
             check_structure(raw, self.ds_config)

@@ -3,18 +3,16 @@ file and the command's flags, validated here (the CLI boundary)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from vtrain.config import build_config, read_yaml
+from vtrain.ds_json import explicit_16bit, read_json, zero_settings
 from vtrain.engine.plan import resolve_precision
 from vtrain.errors import VtrainError
 from vtrain.presets import presets_for
 from vtrain.tasks.dino import test_sizes
 
-DEFAULT_DS_BUCKET = 5e8  # DeepSpeed's own reduce/allgather bucket default, in elements (docs/memory_ckpt.md §2.2)
 VTRAIN_DS_BUCKET = 5e7  # the bucket size of vtrain's ds_configs/*.json
 
 
@@ -55,23 +53,12 @@ class Setup:
 
 
 def _ds_fields(path: str) -> dict[str, Any]:
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise VtrainError(f"--ds-config: cannot read {path} ({e})") from None
-    z = raw.get("zero_optimization", {}) or {}
-    stage = int(z.get("stage", 0))
-
-    def size(key: str) -> float:
-        v = z.get(key, DEFAULT_DS_BUCKET)
-        return DEFAULT_DS_BUCKET if v == "auto" else float(v)
-
-    off_opt = (z.get("offload_optimizer") or {}).get("device", "none") != "none"
-    off_par = (z.get("offload_param") or {}).get("device", "none") != "none"
-    sixteen = any(isinstance(raw.get(k), dict) and raw[k].get("enabled") is True for k in ("bf16", "fp16"))
-    return {"zero": stage, "offload": "all" if off_par else ("optimizer" if off_opt else "none"),
-            "ds_buckets": (size("reduce_bucket_size"), size("allgather_bucket_size")),
-            "overlap_comm": bool(z.get("overlap_comm", stage == 3)), "ds_16bit": sixteen}
+    """The Setup fields a DeepSpeed JSON decides (ds_json.py reads it as the training run does)."""
+    raw = read_json(path, "--ds-config: cannot read {path} ({error})")
+    zero = zero_settings(raw)
+    offload = "all" if zero.offload_params else ("optimizer" if zero.offload_optimizer else "none")
+    return {"zero": zero.stage, "offload": offload, "ds_buckets": zero.buckets, "overlap_comm": zero.overlap_comm,
+            "ds_16bit": bool(explicit_16bit(raw))}
 
 
 def parse_image_size(text: str, task: str) -> tuple[int, int]:
