@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import math
-import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from vtrain.config_values import coerce, read_yaml
 from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
 from vtrain.errors import ConfigError
 from vtrain.files import cache_root, directory_problem
@@ -372,22 +371,6 @@ TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def read_yaml(path: str | Path, what: str = "--config") -> dict[str, Any]:
-    """A YAML mapping, read with safe_load (no Python tags); errors are named after `what` (the flag, or the
-    checkpoint the file belongs to)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what}: file not found: {path}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"{what}: {path} is not valid YAML ({first})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what}: {path} must hold a mapping of sections (model, data, optim, parallel, train)")
-    return data
-
-
 def build_config(task: str, file_values: dict[str, Any] | None = None,
                  overrides: dict[str, dict[str, Any]] | None = None) -> RunConfig:
     """Merge task defaults < file values < CLI overrides into a validated RunConfig."""
@@ -417,59 +400,6 @@ def build_config(task: str, file_values: dict[str, Any] | None = None,
         values = {k: coerce(v, hints[k], _where(name, k)) for k, v in merged[name].items()}
         sections[name] = cls(**values)
     return RunConfig(task=task, **sections)
-
-
-def coerce(value: Any, hint: Any, where: str) -> Any:
-    """`value` as the declared type `hint`, or a ConfigError naming `where`. YAML 1.1 reads `1e-3` (no dot) as a
-    string, so numeric strings are accepted for numbers; a float is an int only when integral; floats must be
-    finite (--lr inf, nan are refused here, for every float field)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        return coerce(value, hint, where)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
-            return value.lower() in ("true", "yes")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if hint is int:
-        number = _number(value, where, "an integer")
-        if not number.is_integer() or abs(number) >= 2**63:
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return int(number)
-    if hint is float:
-        return _number(value, where, "a number")
-    if hint is str:
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return str(value)
-    if origin is list:
-        (item,) = args
-        if item is str and isinstance(value, str):
-            value = [p for p in value.split(",") if p]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [coerce(v, item, where) for v in value]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{where}: expected {len(args)} values, got {value!r}")
-        return tuple(coerce(v, a, where) for v, a in zip(value, args))
-    raise TypeError(f"unsupported config type {hint!r}")  # a programming error, not a user one
-
-
-def _number(value: Any, where: str, kind: str) -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected {kind}, got {value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected {kind}, got {value!r}") from None
-    if not math.isfinite(number):
-        raise ConfigError(f"{where}: must be finite, got {value!r}")
-    return number
 
 
 def load_run_config(path: str | Path) -> RunConfig:
