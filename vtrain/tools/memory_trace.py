@@ -1,4 +1,5 @@
-"""The activation memory of one training step, traced without a GPU (docs/memory_ckpt.md §1).
+"""The activation memory of one training step, traced without a GPU (docs/memory_ckpt.md §1; the bare § numbers
+below are sections of that page).
 
 One real forward + backward of the actual vtrain model, at the requested batch and resolution, under
 FakeTensorMode (no memory, no GPU), recording every storage the step creates and frees (`LiveBytes`); the peak
