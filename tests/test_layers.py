@@ -95,6 +95,14 @@ def test_no_import_runs_upward():
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
+def test_data_models_and_eval_do_not_import_each_other():
+    """One layer, three independent packages: the data pipeline, the networks and the pure metric functions meet
+    only in a task."""
+    mixed = [f"{MODULES[m].relative_to(ROOT)}:{line}: imports {t}" for m, edges in GRAPH.items()
+             for t, line, _ in edges if layer(m) == layer(t) == 2 and m.split(".")[1] != t.split(".")[1]]
+    assert not mixed, "\n".join(mixed)
+
+
 def test_no_import_circle():
     """No cycle, counting imports inside functions too: one there that closes a circle only hides it."""
     graph = {m: sorted({t for t, _, _ in edges if t != m}) for m, edges in GRAPH.items()}
