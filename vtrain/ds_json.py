@@ -42,27 +42,36 @@ class ZeroSettings:
     stage: int
     offload_optimizer: bool
     offload_params: bool
-    buckets: tuple[float, float]
-    """reduce_bucket_size, allgather_bucket_size (elements; "auto" is DeepSpeed's default)."""
     overlap_comm: bool
     """DeepSpeed turns it on by default at stage 3 only."""
 
 
+def _zero(raw: dict[str, Any]) -> dict[str, Any]:
+    return raw.get("zero_optimization", {}) or {}
+
+
 def zero_settings(raw: dict[str, Any]) -> ZeroSettings:
-    """The ZeRO stage, offloading, bucket sizes and overlap of a DeepSpeed JSON."""
-    zero = raw.get("zero_optimization", {}) or {}
+    """The ZeRO stage, offloading and communication overlap of a DeepSpeed JSON."""
+    zero = _zero(raw)
     stage = int(zero.get("stage", 0))
 
     def offloaded(key: str) -> bool:
         return (zero.get(key) or {}).get("device", "none") != "none"
 
+    return ZeroSettings(stage, offloaded("offload_optimizer"), offloaded("offload_param"),
+                        bool(zero.get("overlap_comm", stage == 3)))
+
+
+def bucket_sizes(raw: dict[str, Any]) -> tuple[float, float]:
+    """reduce_bucket_size and allgather_bucket_size in elements ("auto" or absent: DeepSpeed's default); read for
+    `estimate-memory`, while a training run hands them to DeepSpeed untouched."""
+    zero = _zero(raw)
+
     def bucket(key: str) -> float:
         value = zero.get(key, DEEPSPEED_BUCKET)
         return DEEPSPEED_BUCKET if value == "auto" else float(value)
 
-    return ZeroSettings(stage, offloaded("offload_optimizer"), offloaded("offload_param"),
-                        (bucket("reduce_bucket_size"), bucket("allgather_bucket_size")),
-                        bool(zero.get("overlap_comm", stage == 3)))
+    return bucket("reduce_bucket_size"), bucket("allgather_bucket_size")
 
 
 def check_structure(raw: Any, source: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vtrain.config import build_config, read_yaml
-from vtrain.ds_json import explicit_16bit, read_json, zero_settings
+from vtrain.ds_json import bucket_sizes, explicit_16bit, read_json, zero_settings
 from vtrain.engine.plan import resolve_precision
 from vtrain.errors import VtrainError
 from vtrain.presets import presets_for
@@ -57,7 +57,7 @@ def _ds_fields(path: str) -> dict[str, Any]:
     raw = read_json(path, "--ds-config: cannot read {path} ({error})")
     zero = zero_settings(raw)
     offload = "all" if zero.offload_params else ("optimizer" if zero.offload_optimizer else "none")
-    return {"zero": zero.stage, "offload": offload, "ds_buckets": zero.buckets, "overlap_comm": zero.overlap_comm,
+    return {"zero": zero.stage, "offload": offload, "ds_buckets": bucket_sizes(raw), "overlap_comm": zero.overlap_comm,
             "ds_16bit": bool(explicit_16bit(raw))}
 
 
