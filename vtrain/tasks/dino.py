@@ -200,4 +200,3 @@ class DinoTask:
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}"
-

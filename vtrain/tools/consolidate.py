@@ -1,12 +1,12 @@
 """Offline consolidation of a checkpoint into one fp32 state dict, streamed tensor by tensor.
 
-Readers (shard_readers.py) yield (name, tensor, is_buffer) from the checkpoint's own shards without building the whole model in RAM:
-DeepSpeed ZeRO-1/2/3 from the fp32 master partitions in `*_optim_states.pt` (loaded with mmap; the Adam moments
-are never touched), FSDP2 from DCP one tensor at a time, DDP/single from `model.safetensors`; the EMA weights of a
-vtrain checkpoint (the default when it has them, `--weights ema|model`) from its whole `ema.safetensors`. Known gaps of the
-reference tools that are handled here (docs/memory_ckpt.md §3-4): frozen parameters of ZeRO-1
-(taken from the saved module), frozen parameters and buffers returned in their training dtype (reported),
-tied weights (written as separate copies so safetensors accepts them).
+Readers (shard_readers.py) yield (name, tensor, is_buffer) from the checkpoint's own shards without building the
+whole model in RAM: DeepSpeed ZeRO-1/2/3 from the fp32 master partitions in `*_optim_states.pt` (loaded with mmap;
+the Adam moments are never touched), FSDP2 from DCP one tensor at a time, DDP/single from `model.safetensors`; the
+EMA weights of a vtrain checkpoint (the default when it has them, `--weights ema|model`) from its whole
+`ema.safetensors`. Known gaps of the reference tools that are handled here (docs/memory_ckpt.md §3-4): frozen
+parameters of ZeRO-1 (taken from the saved module), frozen parameters and buffers returned in their training dtype
+(reported), tied weights (written as separate copies so safetensors accepts them).
 """
 
 from __future__ import annotations
