@@ -22,18 +22,12 @@ Design (docs/msda_kernels.md §7, H100 in mind):
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
-
-# Elements of the [BLOCK_Q, BLOCK_D] fp32 tile per program. The backward keeps five tiles alive (grad_out and
-# four corners) against the forward's two, hence the smaller tile. Not tuned on a GPU yet (no GPU was
-# available when this was written); `benchmarks/msda_op.py --sweep` measures the alternatives.
-FWD_TILE = 4096
-BWD_TILE = 2048
-NUM_WARPS = 4
 
 
 @triton.jit
@@ -191,15 +185,6 @@ def level_table(shapes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def _blocks(q: int, d: int, tile: int) -> tuple[int, int]:
-    block_d = triton.next_power_of_2(d)
-    block_q = max(1, min(128, tile // block_d))
-    if _interpreting():
-        # the interpreter runs programs one after another: fewer, larger ones are faster
-        block_q = max(block_q, min(256, triton.next_power_of_2(q)))
-    return block_q, block_d
-
-
 def _check_sizes(value: torch.Tensor, loc: torch.Tensor) -> None:
     _, s, m, d = value.shape
     _, q, _, lvls, pts, _ = loc.shape
@@ -212,21 +197,72 @@ def empty_output(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+class Launch(NamedTuple):
+    """One kernel launch exactly as the op issues it: `kernel[grid](*args, **kwargs)`. Built by `forward_launch` /
+    `backward_launch`, run by `forward` / `backward`, and compiled for GPU targets by
+    `benchmarks/msda_kernel_report.py` (on meta tensors), so the report always sees what runs."""
+
+    kernel: object
+    grid: tuple[int, int]
+    args: tuple
+    kwargs: dict
+
+
+# Elements of the [BLOCK_Q, BLOCK_D] fp32 tile per program. The backward keeps five tiles alive (grad_out and
+# four corners) against the forward's two, hence the smaller tile. Not tuned on a GPU yet (no GPU was
+# available when this was written); `benchmarks/msda_op.py --sweep` measures the alternatives.
+FWD_TILE = 4096
+BWD_TILE = 2048
+NUM_WARPS = 4
+
+
+def launch_config(kind: str, queries: int, channels: int, value_dtype: torch.dtype,
+                  interpreting: bool = False) -> dict:
+    """The constexprs and launch options of kernel `kind` ("fwd" or "bwd") for this shape and dtype: the one place
+    the op's tiling is chosen (the kernel report imports it)."""
+    block_d = triton.next_power_of_2(channels)
+    block_q = max(1, min(128, (FWD_TILE if kind == "fwd" else BWD_TILE) // block_d))
+    if interpreting:
+        # the interpreter runs programs one after another: fewer, larger ones are faster
+        block_q = max(block_q, min(256, triton.next_power_of_2(queries)))
+    return {"BLOCK_Q": block_q, "BLOCK_D": block_d, "num_warps": NUM_WARPS}
+
+
+def forward_launch(value: torch.Tensor, table: torch.Tensor, loc: torch.Tensor, attn: torch.Tensor,
+                   out: torch.Tensor) -> Launch:
+    b, s, m, d = value.shape
+    _, q, _, lvls, pts, _ = loc.shape
+    cfg = launch_config("fwd", q, d, value.dtype, _interpreting())
+    grid = (triton.cdiv(q, cfg["BLOCK_Q"]), b * m)
+    return Launch(_fwd_kernel, grid, (value, table, loc, attn, out, q, s, m, d), dict(L=lvls, P=pts, **cfg))
+
+
+def backward_launch(grad_out: torch.Tensor, value: torch.Tensor, table: torch.Tensor, loc: torch.Tensor,
+                    attn: torch.Tensor, grad_value: torch.Tensor, grad_loc: torch.Tensor,
+                    grad_attn: torch.Tensor) -> Launch:
+    b, s, m, d = value.shape
+    _, q, _, lvls, pts, _ = loc.shape
+    cfg = launch_config("bwd", q, d, value.dtype, _interpreting())
+    grid = (triton.cdiv(q, cfg["BLOCK_Q"]), b * m)
+    args = (grad_out, value, table, loc, attn, grad_value, grad_loc, grad_attn, q, s, m, d)
+    return Launch(_bwd_kernel, grid, args, dict(L=lvls, P=pts, **cfg))
+
+
+def _run(launch: Launch) -> None:
+    launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+
+
 def forward(value: torch.Tensor, shapes: list[int], loc: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """value (B, S, M, D), shapes [h0, w0, h1, w1, ...], loc (B, Q, M, L, P, 2), attn (B, Q, M, L, P)
     -> (B, Q, M * D) in value's dtype."""
     _check_device(value)
     value, loc, attn = value.contiguous(), loc.contiguous(), attn.contiguous()
     _check_sizes(value, loc)
-    b, s, m, d = value.shape
-    _, q, _, lvls, pts, _ = loc.shape
-    out = empty_output((b, q, m * d), value.dtype, value.device)
+    b, _, m, d = value.shape
+    out = empty_output((b, loc.shape[1], m * d), value.dtype, value.device)
     if out.numel() == 0:
         return out
-    block_q, block_d = _blocks(q, d, FWD_TILE)
-    grid = (triton.cdiv(q, block_q), b * m)
-    _fwd_kernel[grid](value, level_table(tuple(shapes), value.device), loc, attn, out, q, s, m, d,
-                      L=lvls, P=pts, BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=NUM_WARPS)
+    _run(forward_launch(value, level_table(tuple(shapes), value.device), loc, attn, out))
     return out
 
 
@@ -236,16 +272,11 @@ def backward(grad_out: torch.Tensor, value: torch.Tensor, shapes: list[int], loc
     _check_device(value)
     grad_out, value = grad_out.contiguous(), value.contiguous()
     loc, attn = loc.contiguous(), attn.contiguous()
-    b, s, m, d = value.shape
-    _, q, _, lvls, pts, _ = loc.shape
     grad_value = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
     grad_loc = empty_output(loc.shape, loc.dtype, loc.device)
     grad_attn = empty_output(attn.shape, attn.dtype, attn.device)
     if grad_loc.numel() == 0:
         return grad_value, grad_loc, grad_attn
-    block_q, block_d = _blocks(q, d, BWD_TILE)
-    grid = (triton.cdiv(q, block_q), b * m)
-    _bwd_kernel[grid](grad_out, value, level_table(tuple(shapes), value.device), loc, attn, grad_value, grad_loc,
-                      grad_attn, q, s, m, d, L=lvls, P=pts, BLOCK_Q=block_q, BLOCK_D=block_d,
-                      num_warps=NUM_WARPS)
+    _run(backward_launch(grad_out, value, level_table(tuple(shapes), value.device), loc, attn, grad_value,
+                         grad_loc, grad_attn))
     return grad_value, grad_loc, grad_attn
