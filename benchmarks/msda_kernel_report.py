@@ -65,8 +65,9 @@ def occupancy(arch: int, regs: int, num_warps: int, shared: int) -> dict:
             "register_limited_occupancy": reg_limited, "limiter": limiter}
 
 
-def _meta_launch(kernel: str, queries: int, dtype: torch.dtype):
-    """The op's launch for these shapes, on meta tensors (nothing is allocated)."""
+def _meta_launch(kernel: str, queries: int, dtype: torch.dtype, arch: int):
+    """The op's launch for these shapes on a GPU of compute capability `arch`, on meta tensors (nothing is
+    allocated)."""
     from vtrain.models.dino import msda_triton as k
 
     def t(*shape, dt=torch.float32):
@@ -77,10 +78,11 @@ def _meta_launch(kernel: str, queries: int, dtype: torch.dtype):
     loc = t(BATCH, queries, HEADS, len(LEVELS), POINTS, 2)
     attn = t(BATCH, queries, HEADS, len(LEVELS), POINTS)
     table = t(3 * len(LEVELS), dt=torch.int32)
+    capability = (arch // 10, arch % 10)
     if kernel == "fwd":
-        return k.forward_launch(value, table, loc, attn, t(BATCH, queries, HEADS * CHANNELS, dt=dtype))
+        return k.forward_launch(value, table, loc, attn, t(BATCH, queries, HEADS * CHANNELS, dt=dtype), capability)
     return k.backward_launch(t(BATCH, queries, HEADS * CHANNELS, dt=dtype), value, table, loc, attn,
-                             t(*value.shape), t(*loc.shape), t(*attn.shape))
+                             t(*value.shape), t(*loc.shape), t(*attn.shape), capability)
 
 
 def compile_launch(launch, arch: int):
@@ -134,7 +136,7 @@ def ptxas_stats(ptx: str, cubin: bytes, arch: int) -> dict:
 
 
 def report_row(kernel: str, dtype: str, arch: int, shape: str) -> dict:
-    launch = _meta_launch(kernel, SHAPES[shape], DTYPES[dtype])
+    launch = _meta_launch(kernel, SHAPES[shape], DTYPES[dtype], arch)
     t0 = time.perf_counter()
     compiled, options = compile_launch(launch, arch)
     ptx = compiled.asm["ptx"]
