@@ -3,7 +3,8 @@
 Only `msda.py` calls this module, through the custom op; it is imported on the op's first real call, so that
 `TRITON_INTERPRET=1` (CPU tensors, the tests) can be set before the kernels below are decorated.
 
-Design (docs/msda_kernels.md §7; tiling and its machine-code figures: docs/msda_roofline.md §3):
+Design (docs/msda_kernels.md §7; the bare § numbers below are sections of that page; the tiling and its
+machine-code figures: docs/msda_roofline.md §3):
 - One program per tile of BLOCK_Q queries x all D channels of one (batch, head); each thread holds a few
   consecutive channels of one query, so a warp gathers whole corner rows (64 B in bf16 at D = 32) of several
   queries per load. `launch_config` chooses the tile. Levels and points are run-time loops (one (level, point)
@@ -214,7 +215,8 @@ def _bwd_kernel(grad_out_ptr, value_ptr, meta_ptr, loc_ptr, attn_ptr, grad_value
             grad_x = a * w.to(tl.float32) * (gy * (s10 - s00) + fy * (s11 - s01))
             grad_y = a * h.to(tl.float32) * (gx * (s01 - s00) + fx * (s11 - s10))
             _put(gloc_base + row * (2 * L * P), 2 * j, grad_x, grad_y, qmask, BLOCK_D, True)
-            # many (query, point) pairs hit the same pixel: scatter with atomics into the fp32 buffer (§7.3)
+            # many (query, point) pairs hit the same pixel: scatter with atomics into the fp32 buffer
+            # (docs/msda_kernels.md §7.3)
             a0 = a * gy
             a1 = a * fy
             _scatter(gv_base, off, a0 * gx, r00, g, g4, d, D, BLOCK_D, SPLIT_RED)
