@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -175,7 +176,12 @@ def main() -> None:
     ap.add_argument("--shape", choices=list(SHAPES), action="append", help="default: encoder and decoder")
     ap.add_argument("--no-write", action="store_true", help=f"print only; do not write {OUT}.md/.json")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
+    ap.add_argument("--reuse-cache", action="store_true",
+                    help="use Triton's kernel cache (default: a fresh one, so every row is compiled by this run)")
     args = ap.parse_args()
+    cache = tempfile.TemporaryDirectory(prefix="msda-report-")
+    if not args.reuse_cache:
+        os.environ["TRITON_CACHE_DIR"] = cache.name  # read by Triton at its first compile
     import triton
 
     rows = []
@@ -186,6 +192,7 @@ def main() -> None:
                     rows.append(report_row(kernel, dtype, arch, shape))
                     print(f"compiled {kernel} {dtype} sm_{arch} {shape}: {rows[-1]['registers']} registers, "
                           f"{rows[-1]['compile_s']} s", file=sys.stderr, flush=True)
+    cache.cleanup()
     table = markdown(rows)
     env = f"triton {triton.__version__}, torch {torch.__version__}"
     print(json.dumps(rows, indent=1) if args.json else f"{table}\n\n{env}")
