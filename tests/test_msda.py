@@ -268,6 +268,7 @@ def as_on_gpu(interpret, monkeypatch, caplog):
     """impl='auto' as on a CUDA GPU of compute capability 9.0, before the per-process decision: CPU tensors take
     the GPU branch and the kernels run in the interpreter. Yields the captured log records."""
     monkeypatch.setattr(msda, "_fallback_reason", None)
+    monkeypatch.setattr(msda, "_triton_reason", None)
     monkeypatch.setattr(msda, "_on_gpu", lambda t: True)
     monkeypatch.setattr(msda, "_gpu_capability", lambda t: (9, 0))
     caplog.set_level(logging.WARNING, logger=msda.__name__)
@@ -344,3 +345,16 @@ def test_impl_triton_raises_instead_of_falling_back(case, as_on_gpu):
         with pytest.raises(RuntimeError, match=r"ms_deform_attn\(impl='triton'\): .*" + re.escape(reason)):
             ms_deform_attn(value, shapes, loc, attn, impl="triton")
     assert msda._fallback_reason is None and not as_on_gpu.records
+
+
+def test_auto_compiles_without_a_graph_break_once_decided(as_on_gpu, monkeypatch):
+    """The per-process decision is a module global after the first call: torch.compile folds it into the graph."""
+    monkeypatch.setattr(msda, "_fallback_reason", "")  # decided: the kernels run
+    shapes = [(3, 4), (2, 2)]
+    value, loc, attn = (t.float() for t in _inputs(shapes, 1, 2, 4, 3, 2, seed=6))
+
+    def f(v, lc, a):
+        return ms_deform_attn(v, shapes, lc, a).square().sum()  # impl="auto"
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(value, loc, attn), f(value, loc, attn))
