@@ -59,11 +59,13 @@ def gather_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 def all_true(flag: torch.Tensor | bool, device: torch.device | str | None = None) -> bool:
     """Whether `flag` (a bool, or a tensor read as one: nonzero is true) holds on every rank: a MIN all-reduce, and
-    the call's one host sync. A bool is sent from `device` (NCCL needs a CUDA tensor)."""
-    if torch.is_tensor(flag):
-        t = flag.detach().to(torch.float32, copy=True).reshape(1)
-    else:
-        t = torch.tensor([float(flag)], device=device)
+    the call's one host sync (a tensor is read on one process too). A bool is sent from `device` (NCCL needs a CUDA
+    tensor); on one process it is the answer, without a device round trip."""
+    if not torch.is_tensor(flag):
+        if world_size() == 1:
+            return bool(flag)
+        flag = torch.tensor(float(flag), device=device)
+    t = flag.detach().to(torch.float32, copy=True).reshape(1)
     if world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item() > 0)
