@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -23,6 +22,7 @@ from rich.table import Table
 
 from vtrain.dist import gather_objects
 from vtrain.errors import VtrainError
+from vtrain.files import write_json_atomic
 
 if TYPE_CHECKING:  # annotations only: the offline commands import this module for its console
     from accelerate import Accelerator
@@ -229,9 +229,7 @@ def write_run_info(output_dir: Path, is_main: bool, run: dict[str, Any], mine: d
     from live objects), for users and tests. Written atomically by rank 0. Collective."""
     ranks = gather_objects(mine)
     if is_main:
-        tmp = Path(output_dir) / "run_info.json.tmp"
-        tmp.write_text(json.dumps({**run, "ranks": ranks}, indent=1))
-        os.replace(tmp, Path(output_dir) / "run_info.json")
+        write_json_atomic(Path(output_dir) / "run_info.json", {**run, "ranks": ranks}, indent=1)
 
 
 def flat_hparams(config: dict[str, Any]) -> dict[str, Any]:
