@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from vtrain import recompute
 from vtrain.ds_json import check_structure
 from vtrain.errors import ConfigError
 
@@ -94,7 +95,8 @@ class ModelConfig:
     step (Partial FC); 1.0 is the full softmax. Below 1 it needs sharded (the replicated head has no sampling)."""
     drop_path: float | None = None
     grad_ckpt: list[str] = field(default_factory=list)
-    """Parts to checkpoint (activation recomputation), e.g. ["backbone"]."""
+    """Activation checkpointing: recompute units as `--grad-ckpt` items (vtrain/recompute.py, docs/recompute.md),
+    e.g. ["backbone"], ["backbone:stage0-1", "encoder:0-3", "sac:decoder"]; a comma string is read as one value."""
 
     num_queries: int | None = None
     """DINO matching queries (default: the preset's, 900 in the recipe)."""
@@ -121,8 +123,13 @@ class ModelConfig:
         _check(self.sample_rate == 1.0 or self.head_parallel == "sharded", "--sample-rate",
                f"{self.sample_rate} < 1 needs --head-parallel sharded (negative sampling lives in the sharded head)")
         _check(self.drop_path is None or 0.0 <= self.drop_path < 1.0, "--drop-path", "must be in [0, 1)")
-        if isinstance(self.grad_ckpt, str):
-            self.grad_ckpt = [p for p in self.grad_ckpt.split(",") if p]
+        try:
+            spec = recompute.parse(self.grad_ckpt)
+        except recompute.SpecError as e:
+            _check(False, "--grad-ckpt", f"{e}; forms: {recompute.FORMS}")
+        _check(not spec.auto, "--grad-ckpt", "auto needs the memory planner (--memory-budget), which this version "
+               f"does not have yet; name the units instead, forms: {recompute.FORMS}")
+        self.grad_ckpt = spec.canonical()
         if self.pretrained is not None:
             _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
         # upper bounds: the denoising attention mask and the matcher grow with the square of the query count
@@ -352,6 +359,10 @@ class RunConfig:
             # BatchNorm in training needs two samples per channel (each rank normalises its own micro-batch)
             _check(self.model.neck_norm != "bn" or self.train.batch_size >= 2, "--batch-size",
                    "must be >= 2 with the BatchNorm embedding neck (--neck-norm bn); use --neck-norm ln for 1")
+        try:
+            recompute.check_parts(recompute.parse(self.model.grad_ckpt), self.task)
+        except recompute.SpecError as e:
+            _check(False, "--grad-ckpt", str(e))
         _check(self.task == "metric" or self.model.head_parallel == "none", "--head-parallel",
                "sharded is for --task metric (the margin-softmax head)")
         if self.task == "dino":

@@ -22,21 +22,20 @@ def build_task(cfg: RunConfig):
 def build_model(task: str, m: ModelConfig, num_classes: int) -> nn.Module:
     """The task's model from its model config, with activation checkpointing applied: the one place models are
     constructed (training, `vtrain eval`, `consolidate --check-model`, `estimate-memory`)."""
+    from vtrain.models.checkpointing import apply_spec
+
     if task == "dino":
         from vtrain.models.dino import DINO
 
         model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries)
-        model.set_grad_checkpointing(m.grad_ckpt)
-        return model
-    from vtrain.models.backbones import set_backbone_checkpointing
-    from vtrain.models.metric import MetricModel
+    else:
+        from vtrain.models.metric import MetricModel
 
-    # --head-parallel sharded: the head lives outside the model (engine/head_shard.py)
-    classes = 0 if m.head_parallel == "sharded" else num_classes
-    model = MetricModel(m.preset, classes, m.image_size, m.embedding_dim, m.neck_norm, m.head, m.margin, m.scale,
-                        m.drop_path)
-    if "backbone" in m.grad_ckpt:
-        set_backbone_checkpointing(model.backbone)
+        # --head-parallel sharded: the head lives outside the model (engine/head_shard.py)
+        classes = 0 if m.head_parallel == "sharded" else num_classes
+        model = MetricModel(m.preset, classes, m.image_size, m.embedding_dim, m.neck_norm, m.head, m.margin,
+                            m.scale, m.drop_path)
+    apply_spec(model, m.grad_ckpt)  # --grad-ckpt units (vtrain/recompute.py), checked against this model
     return model
 
 

@@ -35,6 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from vtrain import recompute
+
 GiB = 2**30
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces + NCCL: an allowance, not traced
 DEFAULT_DS_BUCKET = 5e8  # DeepSpeed's own reduce/allgather bucket default, in elements (docs/memory_ckpt.md §2.2)
@@ -50,7 +52,7 @@ class Setup:
     batch_size: int = 2
     image_size: tuple[int, int] = (800, 1333)
     precision: str = "bf16"  # no | bf16 | fp16
-    grad_ckpt: tuple[str, ...] = ()
+    grad_ckpt: tuple[str, ...] = ()  # --grad-ckpt items (vtrain/recompute.py), e.g. ("backbone", "encoder:0-2")
     zero: int = 0  # 0 = DDP, 1-3 = ZeRO stage
     fsdp: bool = False
     offload: str = "none"  # none | optimizer | all
@@ -513,12 +515,14 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         s.image_size = parse_image_size(image_size, s.task)
     if precision is not None:
         s.precision = resolve_precision(precision)
-    if grad_ckpt is not None:
-        s.grad_ckpt = tuple(p for p in grad_ckpt.split(",") if p)
-    allowed = ("backbone", "encoder", "decoder") if s.task == "dino" else ("backbone",)
-    bad = [p for p in s.grad_ckpt if p not in allowed]
-    if bad:
-        raise VtrainError(f"--grad-ckpt: unknown part {bad[0]!r} for --task {s.task}; parts: {', '.join(allowed)}")
+    try:
+        spec = recompute.parse(grad_ckpt if grad_ckpt is not None else s.grad_ckpt)
+        recompute.check_parts(spec, s.task)
+    except recompute.SpecError as e:
+        raise VtrainError(f"--grad-ckpt: {e}; forms: {recompute.FORMS}") from None
+    if spec.auto:
+        raise VtrainError("--grad-ckpt auto: the memory planner is not in this version; name the units")
+    s.grad_ckpt = tuple(spec.canonical())
     if zero is not None:
         if zero not in (0, 1, 2, 3):
             raise VtrainError("--zero: choose 0, 1, 2 or 3")
@@ -561,7 +565,8 @@ def estimate_report(setup: Setup, gpu_memory_gib: float = 24.0, compare_gc: bool
     traces = {tuple(setup.grad_ckpt): trace_step(setup)}
     seconds = time.perf_counter() - t0
     chosen = estimate(setup, traces[tuple(setup.grad_ckpt)], facts)
-    gc_choices = [(), ("backbone",), ("backbone", "encoder")] if setup.task == "dino" else [(), ("backbone",)]
+    gc_choices = [(), ("backbone",), ("backbone", "encoder"), ("backbone", "encoder", "decoder")] \
+        if setup.task == "dino" else [(), ("backbone",)]
     rows = []
     if compare_gc:
         for gc in gc_choices:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import box_convert
 
+from vtrain.models.checkpointing import apply_spec, backbone_units
 from vtrain.models.dino.criterion import dino_loss
 from vtrain.models.dino.denoising import build_denoising
 from vtrain.models.dino.transformer import MLP, Decoder, Encoder, inverse_sigmoid, sine_position_2d
@@ -119,13 +120,16 @@ class DINO(nn.Module):
             nn.init.zeros_(h.layers[-1].bias)
 
     # ---- activation checkpointing --------------------------------------------------------------------------
-    def set_grad_checkpointing(self, parts: list[str]) -> None:
-        """Non-reentrant checkpointing per block of `backbone`, `encoder` and/or `decoder`."""
-        if "backbone" in parts:
-            timm.layers.set_reentrant_ckpt(False)
-            self.backbone.body.set_grad_checkpointing(True)
-        self.encoder.grad_ckpt = "encoder" in parts
-        self.decoder.grad_ckpt = "decoder" in parts
+    def recompute_units(self) -> dict[str, tuple[nn.Module, ...]]:
+        """Recompute units in forward order: backbone stages (or blocks), then each encoder and decoder layer."""
+        units = backbone_units(self.backbone.body)
+        units.update({f"encoder.{i}": (layer,) for i, layer in enumerate(self.encoder.layers)})
+        units.update({f"decoder.{i}": (layer,) for i, layer in enumerate(self.decoder.layers)})
+        return units
+
+    def set_grad_checkpointing(self, spec: str | list[str]) -> None:
+        """Checkpoint the units a `--grad-ckpt` value names (e.g. ["backbone", "encoder:0-2", "sac:decoder"])."""
+        apply_spec(self, spec)
 
     # ---- forward pieces ----------------------------------------------------------------------------------------
     def _flatten(self, feats: list[torch.Tensor], mask: torch.Tensor):

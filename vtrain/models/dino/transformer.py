@@ -2,7 +2,8 @@
 
 Sizes and constants follow the recipe in docs/dino.md §1 (6+6 layers, 256-d, 8 heads, 4 points,
 FFN 2048, dropout 0, sine positions with temperature 20, 900 queries). Blocks are named `...Block` so the
-engine's per-block FSDP2 sharding and activation checkpointing find them.
+engine's per-block FSDP2 sharding finds them; each layer is one recompute unit (`encoder.N`, `decoder.N`,
+models/checkpointing.py), checkpointed on the block itself.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from vtrain.models.checkpointing import recompute_mode, set_recompute
 from vtrain.models.dino.msda import MSDeformAttn
 
 
@@ -113,17 +114,26 @@ class DecoderBlock(nn.Module):
         return self.ffn(tgt)
 
 
-def _maybe_checkpoint(enabled: bool, fn, *args):
-    if enabled and torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
+class _Layers(nn.Module):
+    """A stack of blocks whose `grad_ckpt` switches full checkpointing of every layer (the units `encoder.N` /
+    `decoder.N` one by one: models/checkpointing.py)."""
+
+    layers: nn.ModuleList
+
+    @property
+    def grad_ckpt(self) -> bool:
+        return all(recompute_mode(layer) == "full" for layer in self.layers)
+
+    @grad_ckpt.setter
+    def grad_ckpt(self, enabled: bool) -> None:
+        for layer in self.layers:
+            set_recompute(layer, "full" if enabled else None)
 
 
-class Encoder(nn.Module):
+class Encoder(_Layers):
     def __init__(self, layers: int, dim: int, ffn: int, levels: int, heads: int, points: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(EncoderBlock(dim, ffn, levels, heads, points) for _ in range(layers))
-        self.grad_ckpt = False
 
     @staticmethod
     def reference_points(spatial_shapes: list[tuple[int, int]], valid_ratios: torch.Tensor) -> torch.Tensor:
@@ -142,12 +152,11 @@ class Encoder(nn.Module):
     def forward(self, src, pos, spatial_shapes, valid_ratios, padding_mask):
         ref = self.reference_points(spatial_shapes, valid_ratios)
         for layer in self.layers:
-            src = _maybe_checkpoint(self.grad_ckpt, lambda s, p, r, m, layer=layer: layer(s, p, r, spatial_shapes, m),
-                                    src, pos, ref, padding_mask)
+            src = layer(src, pos, ref, spatial_shapes, padding_mask)
         return src
 
 
-class Decoder(nn.Module):
+class Decoder(_Layers):
     """Iterative box refinement with look-forward-twice: the box predicted by layer i is
     sigmoid(delta_i + logit(ref_{i-1})) with ref_{i-1} *not* detached (its gradient reaches layer i-1), while
     the reference the next layer samples from is detached (DINO §3.5; MMD DinoTransformerDecoder)."""
@@ -158,7 +167,6 @@ class Decoder(nn.Module):
         self.ref_point_head = MLP(2 * dim, dim, dim, 2)
         self.norm = nn.LayerNorm(dim)
         self.dim = dim
-        self.grad_ckpt = False
 
     def forward(self, query, reference, memory, spatial_shapes, valid_ratios, memory_mask, attn_mask,
                 reg_branches: nn.ModuleList) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -169,10 +177,7 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             ref_input = reference.detach()[:, :, None] * ratios
             query_pos = self.ref_point_head(sine_position_boxes(ref_input[:, :, 0], self.dim // 2).to(query.dtype))
-            query = _maybe_checkpoint(
-                self.grad_ckpt,
-                lambda q, qp, r, m, layer=layer: layer(q, qp, r, m, spatial_shapes, memory_mask, attn_mask),
-                query, query_pos, ref_input, memory)
+            query = layer(query, query_pos, ref_input, memory, spatial_shapes, memory_mask, attn_mask)
             new_ref = (reg_branches[i](query).float() + inverse_sigmoid(reference.detach().float())).sigmoid()
             hidden.append(self.norm(query))
             refs.append(new_ref)
