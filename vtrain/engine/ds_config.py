@@ -6,9 +6,10 @@ DeepSpeed's `torch_autocast` mode (fp32 master weights and buffers, forward unde
 BatchNorm models where plain DeepSpeed bf16 fails ('expected scalar type BFloat16 but found Float';
 docs/cpu_distributed.md, docs/memory_ckpt.md §4).
 
-Selective activation checkpointing (`--grad-ckpt sac:...`) under ZeRO-3 needs `memory_efficient_linear: false`:
-with it on, DeepSpeed replaces `F.linear` by its own function, which adds the bias in place to the matmul output,
-the very tensor the selective mode keeps, so the recomputation would add it twice (docs/recompute.md).
+ZeRO-3's `memory_efficient_linear` defaults to false here (DeepSpeed's default is true): with it on, DeepSpeed
+replaces `F.linear` process-wide by its own function, which adds the bias in place to the matmul output, the very
+tensor selective checkpointing (`--grad-ckpt sac:...`) keeps, so the recomputation adds it twice and the gradients
+are wrong (docs/recompute.md); torch's own linear also keeps a run's numbers independent of `--grad-ckpt`.
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_ac
     stage = zero.get("stage", 0)
     off_opt, off_par = ((zero.get(key) or {}).get("device", "none") != "none"
                         for key in ("offload_optimizer", "offload_param"))
-    if selective_recompute and stage == 3:
-        if zero.get("memory_efficient_linear") is True:
+    if stage == 3:
+        if selective_recompute and zero.get("memory_efficient_linear") is True:
             raise ConfigError(f"--ds-config {source}: zero_optimization.memory_efficient_linear=true cannot be combined "
                               "with selective checkpointing (--grad-ckpt sac:...); set it to false")
-        zero["memory_efficient_linear"] = False
+        zero.setdefault("memory_efficient_linear", False)
 
     bf16, fp16 = enabled(ds.get("bf16")), enabled(ds.get("fp16"))
     explicit = [name for name, v in (("bf16", bf16), ("fp16", fp16)) if v is True]
