@@ -6,6 +6,7 @@ memory estimator read the part names from it, and the CLI prints `HELP`.
 
     SPEC := "" | none | auto | ITEM ("," ITEM)*
     ITEM := ["sac:"] PART [":" SEL ("," SEL)*]     a bare SEL after a comma continues the ITEM before it
+                                                   (a bare N takes the kind before it: stage0,2 = stage0,stage2)
     PART := backbone | encoder | decoder           (metric: backbone)
     SEL  := N | N-M                                encoder/decoder layers
           | stageN | stageN-M                      backbone stages (Swin layers.N, ResNet layerN: timm feature index)
@@ -112,6 +113,8 @@ def parse(value: str | Iterable[str] | None) -> RecomputeSpec:
             if not items:
                 raise SpecError(f"{tok!r} names no part (write e.g. encoder:{tok})")
             last = items[-1]
+            if last.selectors and tok[0].isdigit():  # backbone:stage0,2 -> stage0, stage2
+                tok = last.selectors[-1].kind + tok
             items[-1] = Item(last.part, last.mode, last.selectors + (_selector(tok, last.part),))
             continue
         items.append(_item(tok))
