@@ -54,7 +54,7 @@ def directory_problem(path: str | Path) -> str | None:
 _FLAG_RENAMES = {"preset": "--model", "path": "--data", "val_path": "--val-data", "pairs_file": "--pairs"}
 # fields set only in a --config file (no flag): their errors name the key alone, never a flag that does not exist
 CONFIG_ONLY = frozenset({"max_impostor_pairs", "betas", "min_lr_ratio", "milestones", "gamma", "fsdp_offload",
-                         "fsdp_reshard_after_forward"})
+                         "fsdp_reshard_after_forward", "ffn_recompute"})
 
 
 def flag_of(name: str) -> str:
@@ -97,6 +97,9 @@ class ModelConfig:
     grad_ckpt: list[str] = field(default_factory=list)
     """Activation checkpointing: recompute units as `--grad-ckpt` items (vtrain/recompute.py, docs/recompute.md),
     e.g. ["backbone"], ["backbone:stage0-1", "encoder:0-3", "sac:decoder"]; a comma string is read as one value."""
+    ffn_recompute: bool = True
+    """DINO: the encoder FFNs make their 2048-wide ReLU output again in backward instead of keeping it: 4.1 GiB less
+    for Swin-L at 800x1333, batch 2, for one more fc1 matmul per layer (+18% forward FLOPs); docs/recompute.md."""
 
     num_queries: int | None = None
     """DINO matching queries (default: the preset's, 900 in the recipe)."""

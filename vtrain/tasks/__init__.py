@@ -27,7 +27,7 @@ def build_model(task: str, m: ModelConfig, num_classes: int) -> nn.Module:
     if task == "dino":
         from vtrain.models.dino import DINO
 
-        model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries)
+        model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries, m.ffn_recompute)
     else:
         from vtrain.models.metric import MetricModel
 

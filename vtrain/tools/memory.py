@@ -53,6 +53,7 @@ class Setup:
     image_size: tuple[int, int] = (800, 1333)
     precision: str = "bf16"  # no | bf16 | fp16
     grad_ckpt: tuple[str, ...] = ()  # --grad-ckpt items (vtrain/recompute.py), e.g. ("backbone", "encoder:0-2")
+    ffn_recompute: bool = True  # DINO encoder FFNs remake their hidden layer in backward (ModelConfig.ffn_recompute)
     zero: int = 0  # 0 = DDP, 1-3 = ZeRO stage
     fsdp: bool = False
     offload: str = "none"  # none | optimizer | all
@@ -248,8 +249,8 @@ def build_model(setup: Setup) -> nn.Module:
     from vtrain.tasks import build_model as build_task_model
 
     size = setup.image_size[0] if setup.task == "metric" else ModelConfig.image_size  # DINO takes any size
-    return build_task_model(setup.task, ModelConfig(preset=setup.preset, image_size=size,
-                                                    grad_ckpt=list(setup.grad_ckpt)), setup.num_classes)
+    return build_task_model(setup.task, ModelConfig(preset=setup.preset, image_size=size, grad_ckpt=list(setup.grad_ckpt),
+                                                    ffn_recompute=setup.ffn_recompute), setup.num_classes)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -491,6 +492,7 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         s.image_size = (size, cfg.data.max_size or round(size * 1333 / 800)) if cfg.task == "dino" else (size, size)
         s.precision = resolve_precision(cfg.parallel.mixed_precision)
         s.grad_ckpt = tuple(cfg.model.grad_ckpt)
+        s.ffn_recompute = cfg.model.ffn_recompute
         s.fsdp = cfg.parallel.fsdp
         ds_config = ds_config or cfg.parallel.ds_config
         if cfg.task == "metric":

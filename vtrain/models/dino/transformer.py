@@ -16,6 +16,7 @@ from torch import nn
 
 from vtrain.models.checkpointing import recompute_mode, set_recompute
 from vtrain.models.dino.msda import MSDeformAttn
+from vtrain.models.lean import autocast_input, relu_single_use, remat
 
 
 def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
@@ -69,13 +70,23 @@ class MLP(nn.Module):
 
 
 class FFN(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    """Post-norm FFN. With `recompute_hidden` (the encoder's: 2048 wide over every token of every level) backward
+    makes the ReLU output again from the 16-bit input instead of keeping it, 8x the input's bytes, at the cost of
+    one more fc1 matmul (lean.py; the same ops on the same tensors, so the same values)."""
+
+    def __init__(self, dim: int, hidden: int, recompute_hidden: bool = False) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
         self.norm = nn.LayerNorm(dim)
+        self.recompute_hidden = recompute_hidden
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.fc2(F.relu(self.fc1(x))))
+        if self.recompute_hidden:
+            return self.norm(x + remat(self.fc2, (self._hidden, (autocast_input(x),))))
+        return self.norm(x + self.fc2(self._hidden(x)))
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return relu_single_use(self.fc1(x))
 
 
 class EncoderBlock(nn.Module):
@@ -85,7 +96,7 @@ class EncoderBlock(nn.Module):
         super().__init__()
         self.attn = MSDeformAttn(dim, levels, heads, points)
         self.norm = nn.LayerNorm(dim)
-        self.ffn = FFN(dim, ffn)
+        self.ffn = FFN(dim, ffn, recompute_hidden=True)
 
     def forward(self, src: torch.Tensor, pos: torch.Tensor, reference_points: torch.Tensor,
                 spatial_shapes: list[tuple[int, int]], padding_mask: torch.Tensor) -> torch.Tensor:
@@ -174,6 +185,7 @@ class Decoder(_Layers):
         the reference boxes each layer's prediction starts from (undetached)."""
         hidden, refs = [], [reference]
         ratios = torch.cat([valid_ratios, valid_ratios], -1)[:, None]  # (B, 1, L, 4)
+        memory = autocast_input(memory)  # one 16-bit copy for every layer's value projection (lean.py)
         for i, layer in enumerate(self.layers):
             ref_input = reference.detach()[:, :, None] * ratios
             query_pos = self.ref_point_head(sine_position_boxes(ref_input[:, :, 0], self.dim // 2).to(query.dtype))
