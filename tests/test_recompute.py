@@ -18,7 +18,8 @@ from vtrain.models.checkpointing import (active_recompute, apply_recompute, appl
                                          recompute_units)
 from vtrain.models.dino import DINO
 from vtrain.models.metric import MetricModel
-from vtrain.tools.memory import Setup, trace_step
+from vtrain.tools.memory_setup import Setup
+from vtrain.tools.memory_trace import trace_step
 
 DINO_UNITS = ["backbone.stage0", "backbone.stage1", "backbone.stage2", "backbone.stage3", "encoder.0", "encoder.1",
               "decoder.0", "decoder.1"]

@@ -30,10 +30,10 @@ PARTS: dict[str, tuple[str, ...]] = {"dino": ("backbone", "encoder", "decoder"),
 MODES = ("full", "sac")
 """full: keep a unit's inputs and recompute all of it in backward; sac: keep its matrix-product outputs too."""
 AUTO = "auto"
-HELP = ("Activation checkpointing (non-reentrant), comma list of PART or PART:SEL with PART backbone|encoder|decoder; "
-        "SEL N, N-M (encoder/decoder layers), stageN[-M] (Swin/ResNet stages), blockN[-M] (ViT blocks); prefix sac: for "
-        "selective checkpointing (keeps matmul outputs). E.g. backbone:stage0-1,encoder:0-3,sac:decoder. "
-        "Default none")
+HELP = ("Activation checkpointing (non-reentrant), comma list of PART or PART:SEL with PART "
+        "backbone|encoder|decoder; SEL N, N-M (encoder/decoder layers), stageN[-M] (Swin/ResNet stages), "
+        "blockN[-M] (ViT blocks); prefix sac: for selective checkpointing (keeps matmul outputs). "
+        "E.g. backbone:stage0-1,encoder:0-3,sac:decoder. Default none")
 FORMS = "PART, PART:N-M, PART:stageN-M, PART:blockN-M, sac:PART[:SEL] (e.g. backbone:stage0,encoder:0-2,sac:decoder)"
 
 _SEL = re.compile(r"^(stage|block)?(\d+)(?:-(?:\1)?(\d+))?$")  # stage0-2 or stage0-stage2

@@ -3,8 +3,8 @@ again from tensors kept anyway is not kept, it is made again when backward asks 
 
 `remat(consumer, (producer, args), ...)` computes `consumer(producer(*args), ...)`; of the tensors autograd saves on
 the way, those that share storage with a producer's output are replaced by a recipe, and the first backward that
-unpacks one runs `producer(*args)` again (no grad, under the autocast state of the forward) and hands out the same view of
-the new result. The producer must be deterministic and draw no random numbers (an activation, a cast, coordinate
+unpacks one runs `producer(*args)` again (no grad, under the autocast state of the forward) and hands out the same
+view of the new result. The producer must be deterministic and draw no random numbers (an activation, a cast, coordinate
 arithmetic, a linear layer): the recomputed tensor is then bitwise the one that was dropped, so outputs and
 gradients are bitwise unchanged. `lean_norm(norm, x)` does the same for the fp32 copy of a 16-bit input that
 CUDA autocast makes for layer/group norms (its fp32 list) and that the norm would keep for backward.
