@@ -390,6 +390,15 @@ def presets() -> None:
     console.print(t)
 
 
+def _leave_gloo_group() -> None:
+    """A gloo process group left to interpreter exit can abort the process (SIGABRT, 'terminate called without an
+    active exception'), which turns a rank's one-line error into a launcher traceback. Only gloo, and only when
+    torch is loaded already: a plain flag error must not pay for importing it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+
 def main() -> None:
     # Every user error is one `error: ...` line and exit 2: Click's usage errors (an unknown option, `--seed abc`)
     # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
@@ -416,6 +425,7 @@ def main() -> None:
     except VtrainError as e:
         if not getattr(e, "quiet", False):  # an error rank 0 reports for all ranks
             print(f"error: {e}", file=sys.stderr)
+        _leave_gloo_group()
         sys.exit(2)
     except TrainingInterrupted as e:
         if os.environ.get("RANK", "0") == "0":

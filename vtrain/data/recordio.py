@@ -5,8 +5,8 @@ Byte layout (dmlc-core include/dmlc/recordio.h + src/recordio.cc, MXNet python/m
   magic 0xced7230a (bytes 0a 23 d7 ce), length = lrecord & (2^29 - 1), cflag = lrecord >> 29. Where the magic
   word occurs 4-byte aligned inside a payload the writer cuts it out and splits the record there: cflag 1 = first
   part, 2 = middle, 3 = last, 0 = whole record; a reader puts the magic back between the parts. Only the last
-  part is padded to 4 bytes (the others end on an aligned magic). dmlc-core is the authority here: docs/face.md
-  §1.4's magic (0x3ed7230a) and 30-bit length are wrong; recordio.h says `kMagic = 0xced7230a` and 29 bits.
+  part is padded to 4 bytes (the others end on an aligned magic). dmlc-core's recordio.h is the authority:
+  `kMagic = 0xced7230a` and a 29-bit length (write-ups that give 0x3ed7230a or 30 bits are wrong).
 - `.idx`: text, `key<TAB>byte offset` per line; a logical record is read at its offset.
 - payload: IRHeader struct 'IfQQ' (flag uint32, label float32, id uint64, id2 uint64, 24 bytes); flag > 0 means
   `flag` float32 labels follow (and the label field is 0); then the encoded image (JPEG).

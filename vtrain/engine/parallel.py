@@ -456,6 +456,11 @@ class ParallelEngine:
         """Facts read from the live objects (not from flags), for this rank."""
         info: dict[str, Any] = {
             "rank": self.accelerator.process_index,
+            # where this rank runs: on several nodes each node numbers its processes from local rank 0 (the GPU
+            # index), and GROUP_RANK is the node rank torch elastic (`accelerate launch --machine_rank`) assigned
+            "host": socket.gethostname(),
+            "local_rank": self.accelerator.local_process_index,
+            "node_rank": int(os.environ.get("GROUP_RANK", "0")),
             "accelerate_num_processes": self.accelerator.num_processes,
             "accelerate_is_main": self.accelerator.is_main_process,
             "dist_world_size": dist.get_world_size() if dist.is_initialized() else 1,

@@ -107,6 +107,20 @@ class OutputDirLock:
             pass
 
 
+def lock_seen(output_dir: Path, token: str, tries: int = 10, wait_s: float = 0.5) -> str | None:
+    """Whether this process sees the lock (by its `token`) that rank 0 just created in output_dir: None if it
+    does, else a one-line problem. Several tries: a network file system may show a new file a moment late."""
+    for attempt in range(tries):
+        try:
+            if json.loads((Path(output_dir) / LOCK).read_text()).get("token") == token:
+                return None
+        except (OSError, ValueError):
+            pass
+        if attempt + 1 < tries:
+            time.sleep(wait_s)
+    return f"{socket.gethostname()} (pid {os.getpid()}) does not see the lock in {output_dir}"
+
+
 def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[OutputDirLock, list[str]]:
     """Rank 0, before anything is written: lock the directory and apply the rule for what it may hold.
     Returns the lock and notes for the log."""

@@ -133,6 +133,7 @@ class Trainer:
         # anything is written; then the checkpoint to resume, verified on all ranks, each hashing a share.
         self.lock = None
         notes = self._agree(self._claim_output_dir)
+        self._check_shared_output_dir()
         self.resumed_from, resume_notes = self._choose_resume()
         self.logger_notes: list[str] = notes + resume_notes
         self.saved_state = ckpt.read_train_state(self.resumed_from) if self.resumed_from is not None else None
@@ -239,6 +240,22 @@ class Trainer:
         self.lock, notes = rundir.claim(self.out, t.resume, t.overwrite_output_dir)
         atexit.register(self.lock.release)  # also on errors; a killed run's lock is detected as stale
         return notes
+
+    def _check_shared_output_dir(self) -> None:
+        """Every rank must see the directory rank 0 just locked: all ranks write their shards into one checkpoint
+        folder that rank 0 renames, so on several nodes --output-dir must be on a file system they all mount.
+        Checked here rather than found at the first save, which may be hours in. Collective."""
+        if self.world == 1:
+            return
+        problem = rundir.lock_seen(self.out, self._agree(lambda: self.lock.owner["token"]))
+        problems = [None] * self.world
+        dist.all_gather_object(problems, problem)
+        bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+        if bad:
+            error = (f"--output-dir {self.out} is not shared by every process ({'; '.join(bad)}): all ranks write "
+                     "each checkpoint into one directory, so put it on a file system every node mounts at the same "
+                     "path (docs/multinode.md)")
+            raise VtrainError(error) if self.is_main else _AgreedError(error)
 
     def _choose_resume(self) -> tuple[Path | None, list[str]]:
         """The checkpoint to continue from: the one --resume names, or for `auto` the newest one in the output

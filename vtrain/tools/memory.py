@@ -1,6 +1,6 @@
 """Per-GPU training memory, predicted without a GPU: pure functions, no rendering (the CLI draws the table).
 
-Two parts (docs/memory_ckpt.md):
+Two parts (the bare § numbers below are sections of docs/memory_ckpt.md):
 - Model states: exact byte counts from the real model built on the meta device, partitioned as in the ZeRO paper
   (§2.1): mixed-precision Adam is 16 bytes/param unsharded: 2 (16-bit params) + 2 (16-bit grads) + 12 (fp32
   master, momentum, variance). vtrain's own engines keep fp32 parameters and gradients (4 + 4 + 8 = 16 bytes too).

@@ -12,7 +12,8 @@
   for the memory estimator tracing a GPU run on CPU).
 
 Both compute in fp32 (fp64 for fp64 inputs in the PyTorch path) and return value's dtype, so the op needs no
-fp32 island around it: sampling locations stay fp32 (coordinate math must, §1.6), value and output may be bf16.
+fp32 island around it: sampling locations stay fp32 (coordinate math must, docs/msda_kernels.md §1.6), value and
+output may be bf16.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Only `msda.py` calls this module, through the custom op; it is imported on the op's first real call, so that
 `TRITON_INTERPRET=1` (CPU tensors, the tests) can be set before the kernels below are decorated.
 
-Design (docs/msda_kernels.md §7, H100 in mind):
+Design (docs/msda_kernels.md §7, H100 in mind; the bare § numbers below are sections of that page):
 - One program per tile of BLOCK_Q queries x all D channels of one (batch, head). A corner gather is then one
   contiguous row of D values per query (64 B in bf16 at D = 32). Levels and points are constexpr loops; the
   level shapes (H_l, W_l, start_l) are read at run time from a small int32 tensor, so a new batch shape does not
@@ -157,7 +157,8 @@ def _bwd_kernel(grad_out_ptr, value_ptr, meta_ptr, loc_ptr, attn_ptr, grad_value
                      .to(grad_loc_ptr.dtype.element_ty), mask=qmask)
             tl.store(gloc_base + 2 * k + 1, (a * _row_sum(g * dy) * h.to(tl.float32))
                      .to(grad_loc_ptr.dtype.element_ty), mask=qmask)
-            # many (query, point) pairs hit the same pixel: scatter with atomics into the fp32 buffer (§7.3)
+            # many (query, point) pairs hit the same pixel: scatter with atomics into the fp32 buffer
+            # (docs/msda_kernels.md §7.3)
             ag0 = (a * gy)[:, None] * g
             ag1 = (a * fy)[:, None] * g
             q00 = gv_base + off

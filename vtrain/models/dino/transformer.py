@@ -150,7 +150,7 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     """Iterative box refinement with look-forward-twice: the box predicted by layer i is
     sigmoid(delta_i + logit(ref_{i-1})) with ref_{i-1} *not* detached (its gradient reaches layer i-1), while
-    the reference the next layer samples from is detached (DINO §3.5; MMD DinoTransformerDecoder)."""
+    the reference the next layer samples from is detached (DINO paper arXiv:2203.03605 §3.5; MMD DinoTransformerDecoder)."""
 
     def __init__(self, layers: int, dim: int, ffn: int, levels: int, heads: int, points: int) -> None:
         super().__init__()
