@@ -12,8 +12,9 @@ import torch
 
 from conftest import ok, vtrain
 from test_msda import interpret  # noqa: F401 (fixture: the Triton kernels under the interpreter)
-from vtrain.tools.memory import (LiveBytes, Setup, allocator_peak, deepspeed_reference, model_facts,
-                                  estimate, max_batch_that_fits, model_state_bytes, profiled_peak, trace_step)
+from vtrain.tools.memory import deepspeed_reference, estimate, max_batch_that_fits, model_facts, model_state_bytes
+from vtrain.tools.memory_setup import Setup
+from vtrain.tools.memory_trace import LiveBytes, allocator_peak, profiled_peak, trace_step
 
 
 CASES = [("dino", "debug", (128, 160), 2), ("metric", "debug", (112, 112), 8)]
@@ -131,6 +132,25 @@ def test_estimate_total_and_max_batch():
     assert max_batch_that_fits(est, est.total) == 2  # exactly the traced batch
     assert max_batch_that_fits(est, int(est.total + 10.5 * per_sample)) == 12  # room for 10 more samples
     assert max_batch_that_fits(est, est.overhead) == 0
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
+def test_estimate_reads_a_ds_config_as_the_training_run_does(name, tmp_path):
+    """One reading of a DeepSpeed JSON (ds_json.py): estimate-memory's Setup and the launch plan agree on the
+    stage, the offloading and DeepSpeed's own 16-bit mode, for the shipped files and a full-bf16 variant."""
+    from conftest import ROOT
+    from vtrain.engine.ds_config import fill_ds_config
+    from vtrain.tools.memory_setup import setup_from
+
+    raw = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+    for variant in (raw, {**raw, "bf16": {"enabled": True}}):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(variant))
+        _, info = fill_ds_config(variant, name, batch_size=2, grad_accum=1, world_size=8, clip_grad=1.0,
+                                 precision="bf16", precision_explicit=False)
+        s = setup_from(ds_config=str(path), gpus=8)
+        offload = "all" if info["offload_params"] else ("optimizer" if info["offload_optimizer"] else "none")
+        assert (s.zero, s.offload, s.ds_16bit) == (info["stage"], offload, info["mode"] == "bf16")
 
 
 def test_estimate_memory_command(tmp_path):

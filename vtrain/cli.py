@@ -1,5 +1,9 @@
 """Command line (Typer only): builds a validated config and calls the core. User mistakes become one line on
-stderr and exit code 2, never a traceback."""
+stderr and exit code 2, never a traceback.
+
+Start-up speed: this module imports nothing that imports torch (tests/test_layers.py checks it), so a flag or
+config error is reported in about half a second. Each command imports the heavy modules it needs (engine,
+tools, models) inside its function, after the checks that need none of them."""
 
 from __future__ import annotations
 
@@ -12,7 +16,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from vtrain.config import FLAG_SECTIONS, build_config, read_yaml
+from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.errors import VtrainError
+from vtrain.safeio import force_weights_only_env
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train large vision models on small GPUs (Accelerate + DeepSpeed ZeRO / FSDP2).")
@@ -30,23 +37,9 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
-# config fields that have a flag of their own, per section (the others are set in a --config file only)
-FLAG_SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
-              "head_parallel", "sample_rate", "drop_path", "grad_ckpt", "num_queries", "dn_queries",
-              "pretrained_min_match", "allow_partial_pretrained"),
-    "data": ("path", "num_workers", "val_path", "pairs_file", "val_targets", "train_ann", "train_images", "val_ann",
-             "val_images", "max_size", "skip_bad_images", "max_image_pixels"),
-    "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad", "layer_decay"),
-    "parallel": ("mixed_precision", "ds_config", "fsdp"),
-    "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
-              "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
-              "overwrite_output_dir", "ema_decay", "ema_warmup", "keep_best", "report_to"),
-}
-
-
 def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
-    """Map flat CLI flags to config sections; unset flags (None) do not override the YAML file."""
+    """Map flat CLI flags to config sections (FLAG_SECTIONS: the config fields that have a flag); unset flags
+    (None) do not override the YAML file."""
     out: dict[str, dict[str, Any]] = {s: {} for s in FLAG_SECTIONS}
     for section, names in FLAG_SECTIONS.items():
         for n in names:
@@ -141,12 +134,8 @@ def train(
         help="none, tensorboard (<output-dir>/tensorboard) or wandb: every logged number as a curve")] = None,
 ) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
-    from vtrain.engine.interrupt import GracefulInterrupt
-
     # first: a SIGTERM/SIGINT that arrives while the model is being built must also lead to a checkpoint
     interrupt = GracefulInterrupt().install()
-    from vtrain.config import build_config, read_yaml
-
     file_values = read_yaml(config) if config is not None else {}
     flags = dict(locals())
     flags.update(preset=model, path=data, val_path=val_data, pairs_file=pairs)
@@ -341,7 +330,8 @@ def estimate_memory_cmd(
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
     from rich.console import Console  # after the checks above: a bad number is reported without importing torch
 
-    from vtrain.tools.memory import estimate_report, setup_from
+    from vtrain.tools.memory import estimate_report
+    from vtrain.tools.memory_setup import setup_from
 
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
@@ -404,9 +394,6 @@ def main() -> None:
     # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
     # errors reach us instead of being drawn as a multi-line box (Typer >= 0.26 vendors Click as typer._click).
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
-
-    from vtrain.engine.interrupt import TrainingInterrupted
-    from vtrain.safeio import force_weights_only_env
 
     force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
     try:

@@ -1,4 +1,4 @@
-"""The data cache (VTRAIN_CACHE, default ~/.cache/vtrain) and atomic, race-safe creation of generated data."""
+"""Atomic, race-safe creation of generated data in the data cache (vtrain/files.py: `cache_root`)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from vtrain.config import directory_problem
 from vtrain.errors import VtrainError
-
-
-def cache_root() -> Path:
-    root = Path(os.environ.get("VTRAIN_CACHE", Path.home() / ".cache" / "vtrain"))
-    problem = directory_problem(root)
-    if problem is not None:
-        raise VtrainError(f"VTRAIN_CACHE: {problem}")
-    return root
+from vtrain.files import cache_root
 
 
 def cached_dir(name: str, write: Callable[[Path], None]) -> Path:

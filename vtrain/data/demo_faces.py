@@ -9,6 +9,7 @@ provides (train/ and val/ with disjoint identities), so the real loading code is
 from __future__ import annotations
 
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from vtrain.data.cache import cached_dir
+from vtrain.data.faces import FaceFolder
+from vtrain.data.recordio import write_face_rec
+from vtrain.data.verification_bin import write_bin
 
 VERSION = 1
 TRAIN_IDS, TRAIN_PER_ID = 200, 12
@@ -135,12 +139,6 @@ def ensure_demo_faces_rec(seed: int = 0) -> Path:
     (train.rec, train.idx, property; the same JPEG bytes in FaceFolder's order, so training from it matches
     training from the folders), `heldout.bin`, a verification pack of pairs over the held-out identities, and
     the held-out identity folders (val/) for the sampled-pairs TAR@FAR. Generated once into the cache."""
-    import shutil
-
-    from vtrain.data.faces import FaceFolder
-    from vtrain.data.recordio import write_face_rec
-    from vtrain.data.verification_bin import write_bin
-
     src = ensure_demo_faces(seed)
 
     def write(tmp: Path) -> None:

@@ -14,7 +14,6 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms.v2 import functional as TF
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, DataConfig
-from vtrain.data.demo_faces import ensure_demo_faces_rec
 from vtrain.data.images import decode_rgb  # noqa: F401  (the face sets' decoder; also imported from here)
 from vtrain.data.labels import check_labels
 from vtrain.errors import BadSample, VtrainError
@@ -32,10 +31,11 @@ class FaceData:
     """Verification packs to evaluate on: (name, .bin path)."""
 
 
-def resolve_face_data(cfg: DataConfig) -> FaceData:
+def resolve_face_data(cfg: DataConfig, root: Path | None = None) -> FaceData:
     """Map --data to its layout (recognised by its files), train data, held-out identities / pairs file and the
-    `.bin` packs of --val-targets (default: every *.bin beside a train.rec, as insightface's rec dirs ship them)."""
-    root = ensure_demo_faces_rec() if cfg.path == "demo" else Path(cfg.path)
+    `.bin` packs of --val-targets (default: every *.bin beside a train.rec, as insightface's rec dirs ship them).
+    `root`: where --data points, `demo` already turned into its directory (data/demo.py); default: --data."""
+    root = Path(cfg.path) if root is None else root
     val = Path(cfg.val_path) if cfg.val_path else None
     pairs = Path(cfg.pairs_file) if cfg.pairs_file else None
     if root.is_file():  # a verification pack on its own

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vtrain.errors import VtrainError
+from vtrain.files import write_json_atomic
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 COMPLETE = "COMPLETE"
@@ -279,9 +280,8 @@ def read_train_state(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    """A checkpoint's JSON file (train state, categories, best.json): indented by 1, written atomically."""
+    write_json_atomic(path, obj, indent=1)
 
 
 def _fsync_dir(path: Path) -> None:

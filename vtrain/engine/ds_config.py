@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from vtrain.ds_json import check_structure, enabled
+from vtrain.ds_json import check_structure, enabled, explicit_16bit, zero_settings
 from vtrain.errors import ConfigError
 
 
@@ -37,13 +37,9 @@ def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_ac
     own("train_batch_size", batch_size * grad_accum * world_size, "--batch-size x --grad-accum x processes")
     own("gradient_clipping", float(clip_grad), "--clip-grad")
 
-    zero = ds.setdefault("zero_optimization", {})
-    stage = zero.get("stage", 0)
-    off_opt, off_par = ((zero.get(key) or {}).get("device", "none") != "none"
-                        for key in ("offload_optimizer", "offload_param"))
-
-    bf16, fp16 = enabled(ds.get("bf16")), enabled(ds.get("fp16"))
-    explicit = [name for name, v in (("bf16", bf16), ("fp16", fp16)) if v is True]
+    ds.setdefault("zero_optimization", {})
+    zero = zero_settings(ds)
+    explicit = explicit_16bit(ds)
     autocast_cfg = ds.get("torch_autocast", {})
     if explicit:  # the user asked for DeepSpeed's own full low-precision mode: respect it
         mode = explicit[0]
@@ -68,6 +64,6 @@ def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_ac
     for name in ("bf16", "fp16"):
         if mode != name:
             ds[name] = {**(ds.get(name) if isinstance(ds.get(name), dict) else {}), "enabled": False}
-    info = {"stage": stage, "offload_optimizer": off_opt, "offload_params": off_par, "mode": mode,
-            "precision": precision}
+    info = {"stage": zero.stage, "offload_optimizer": zero.offload_optimizer, "offload_params": zero.offload_params,
+            "mode": mode, "precision": precision}
     return ds, info

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,15 +14,16 @@ from torch.utils.data import DataLoader, Subset
 
 from vtrain.config import RunConfig
 from vtrain.data.coco import CocoDetection, collate
-from vtrain.data.demo_shapes import ensure_demo_shapes
+from vtrain.data.demo import data_root
 from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
 from vtrain.data.workers import worker_context
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
+from vtrain.files import write_json_atomic
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.dino import DINO, postprocess
-from vtrain.tasks import build_model
+from vtrain.tasks.model import build_model
 
 GRAD_CKPT_PARTS = ("backbone", "encoder", "decoder")
 
@@ -37,10 +36,11 @@ class CocoPaths:
     val_images: Path | None
 
 
-def resolve_coco_data(data) -> CocoPaths:
-    """--data DIR in COCO layout (annotations/instances_{train,val}2017.json, train2017/, val2017/) or `demo`;
-    explicit --train-ann/--train-images/--val-ann/--val-images win over the layout."""
-    root = ensure_demo_shapes() if data.path == "demo" else Path(data.path)
+def resolve_coco_data(data, root: Path | None = None) -> CocoPaths:
+    """--data DIR in COCO layout (annotations/instances_{train,val}2017.json, train2017/, val2017/); explicit
+    --train-ann/--train-images/--val-ann/--val-images win over the layout. `root`: where --data points, `demo`
+    already turned into its directory (data/demo.py); default: --data."""
+    root = Path(data.path) if root is None else root
 
     def pick(explicit: str | None, default: Path) -> Path | None:
         if explicit:
@@ -59,8 +59,9 @@ def resolve_coco_data(data) -> CocoPaths:
 
 
 def test_sizes(image_size: int, max_size: int | None) -> tuple[int, int]:
-    """Test-time resize (evaluation and `vtrain predict`): short side image_size, long side at most max_size,
-    by default image_size * 1333 / 800 (the recipe's 800/1333, docs/dino.md §1.1)."""
+    """Test-time resize (evaluation, `vtrain predict`, the size `estimate-memory` traces): short side image_size,
+    long side at most max_size, by default image_size * 1333 / 800 (the recipe's 800/1333, docs/dino.md §1.1).
+    The one place that rule is written."""
     return image_size, max_size or round(image_size * 1333 / 800)
 
 
@@ -80,7 +81,7 @@ class DinoTask:
                                     ("--val-ann", cfg.data.val_ann), ("--val-images", cfg.data.val_images)) if v]
             if given:
                 raise VtrainError(f"{', '.join(given)}: not used with --data {cfg.data.path} (its splits are the data)")
-        self.paths = None if self.hf is not None else resolve_coco_data(cfg.data)
+        self.paths = None if self.hf is not None else resolve_coco_data(cfg.data, data_root(self.name, cfg.data.path))
         self.size, self.max_size = test_sizes(cfg.model.image_size, cfg.data.max_size)
         self._train: CocoDetection | None = None
         self._val: CocoDetection | None = None
@@ -209,11 +210,3 @@ class DinoTask:
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}"
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)

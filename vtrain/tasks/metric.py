@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from vtrain.config import RunConfig
+from vtrain.data.demo import data_root
 from vtrain.data.faces import FaceFolder, FaceSamples, decode_rgb, load_image, read_pairs, resolve_face_data, \
     sample_pairs, to_model_input
 from vtrain.data.recordio import RecordFaces
@@ -26,7 +27,7 @@ from vtrain.errors import VtrainError
 from vtrain.eval.verification import pack_metrics, verification_metrics
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.metric import MetricModel
-from vtrain.tasks import build_model
+from vtrain.tasks.model import build_model
 
 GRAD_CKPT_PARTS = ("backbone",)
 
@@ -48,7 +49,7 @@ class MetricTask:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        self.data = resolve_face_data(cfg.data)
+        self.data = resolve_face_data(cfg.data, data_root(self.name, cfg.data.path))
         self.hf = HfSplits(cfg.data.path) if is_hf(cfg.data.path) else None  # --data hf:PATH (data/hf.py)
         self._train: FaceSamples | None = None
         self._packs: dict[str, tuple[list[bytes], np.ndarray]] = {}

@@ -25,15 +25,25 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils.data import DataLoader, Dataset
+from safetensors.torch import save_file
 from torchvision import tv_tensors
 from torchvision.datasets.folder import IMG_EXTENSIONS
+from torchvision.io import write_jpeg
+from torchvision.utils import draw_bounding_boxes
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING
-from vtrain.data.coco import collate, normalize
+from vtrain.data.coco import collate, load_coco, normalize, test_transforms
 from vtrain.data.faces import load_image
 from vtrain.data.images import decode_rgb
 from vtrain.data.workers import worker_context
+from vtrain.engine.logging import console
 from vtrain.errors import VtrainError
+from vtrain.eval.coco_eval import coco_detections
+from vtrain.files import write_json_atomic
+from vtrain.models.dino import postprocess
+from vtrain.tasks.dino import test_sizes
+from vtrain.tasks.metric import flip_embeddings
+from vtrain.tools.evaluate import checkpoint_task, load_model
 
 # distinct colours for up to 20 classes (then repeated): Tableau-20 order, saturated ones first
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
@@ -120,8 +130,6 @@ def _max_pixels(given: int | None, saved_data: dict[str, Any]) -> int:
 
 
 def _progress(total: int, what: str) -> Progress:
-    from vtrain.engine.logging import console
-
     p = Progress(TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                  TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not sys.stdout.isatty())
     p.add_task(what, total=total)
@@ -147,8 +155,6 @@ def _output(out: Path, is_dir: bool) -> None:
 def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: str | None = None,
             **options: Any) -> PredictReport:
     """Detection or embeddings, by `task` or else by the checkpoint's own task."""
-    from vtrain.tools.evaluate import checkpoint_task
-
     _max_pixels(options.get("max_pixels"), {})  # a bad limit is reported before anything is loaded
     task = task or checkpoint_task(checkpoint)
     if task == "metric":
@@ -166,14 +172,6 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
     """Draw and write the detections of every input image (see the module docstring). `ann`: a COCO annotation
     file whose `file_name`s give the image ids (and the class names if the checkpoint has none); otherwise the
     ids are 1..N in input order."""
-    from torchvision.io import write_jpeg
-
-    from vtrain.data.coco import load_coco, test_transforms
-    from vtrain.eval.coco_eval import coco_detections
-    from vtrain.tools.evaluate import load_model
-    from vtrain.models.dino import postprocess
-    from vtrain.tasks.dino import test_sizes, write_json_atomic
-
     if not 0.0 <= score_threshold <= 1.0:
         raise VtrainError(f"--score-threshold: must be in [0, 1], got {score_threshold}")
     out = Path(out)
@@ -240,8 +238,6 @@ def _collate_with_originals(samples: list[dict[str, Any]]) -> dict[str, Any]:
 def draw(image: torch.Tensor, boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
          class_names: list[str]) -> torch.Tensor:
     """Boxes (xyxy, image pixels) on a uint8 RGB image, one colour per class, labelled "name 0.87"."""
-    from torchvision.utils import draw_bounding_boxes
-
     if len(boxes) == 0:
         return image
     h, w = image.shape[-2:]
@@ -271,11 +267,6 @@ def _image_ids(names: list[str], coco, ann: str) -> list[int]:
 def predict_embeddings(checkpoint: str | Path, inputs: list[str], out: str | Path, batch_size: int | None = None,
                        num_workers: int = 2, max_pixels: int | None = None) -> PredictReport:
     """Evaluation's embeddings of every input image, written to one safetensors file (see the module docstring)."""
-    from safetensors.torch import save_file
-
-    from vtrain.tools.evaluate import load_model
-    from vtrain.tasks.metric import flip_embeddings
-
     out = Path(out)
     _output(out, is_dir=False)
     found = find_images(inputs)
