@@ -32,6 +32,10 @@ NECK_NORMS = ("bn", "ln", "none")
 MAX_QUERIES, MAX_DN_QUERIES = 5000, 2000
 MIN_DETECTION_SIZE = 64  # the coarsest DINO level has stride 64 (presets.py): smaller inputs leave it empty
 DEMO_DATA = "demo"  # --data demo: the task's built-in data set (data/demo.py)
+# PIL's own decompression-bomb limit (PIL.Image.MAX_IMAGE_PIXELS, 1024^3 / 4 / 3: a 1 GB RGB image at 32 bits per
+# pixel); torchvision's decoders have none, so vtrain applies it to every image it decodes (docs/input_limits.md)
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+MAX_IMAGE_PIXELS_CEILING = 1 << 32  # 12 GiB as uint8 RGB; libjpeg's 65500 x 65500 is 4.29e9 pixels
 
 
 def _check(cond: bool, flag: str, msg: str) -> None:
@@ -164,6 +168,9 @@ class DataConfig:
     """Detection: longest image side after resizing (default: image_size * 1333 / 800)."""
     skip_bad_images: bool = False
     """Skip unreadable image files (counted and named in the log at the end of each epoch) instead of stopping."""
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """Largest image (width x height x frames) decoded; a larger one is refused before decoding, read from its
+    header (or skipped with --skip-bad-images). Default: PIL's decompression-bomb limit, 89478485 pixels."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.num_workers <= 256, "--num-workers", f"must be in 0..256, got {self.num_workers}")
@@ -190,6 +197,8 @@ class DataConfig:
         for flag, value in (("--train-images", self.train_images), ("--val-images", self.val_images)):
             if value is not None:
                 _check(Path(value).is_dir(), flag, f"not a directory: {value}")
+        _check(1 <= self.max_image_pixels <= MAX_IMAGE_PIXELS_CEILING, "--max-image-pixels",
+               f"must be in 1..{MAX_IMAGE_PIXELS_CEILING} pixels, got {self.max_image_pixels}")
         _check(self.max_size is None or MIN_DETECTION_SIZE <= self.max_size <= 16384, "--max-size",
                f"must be in {MIN_DETECTION_SIZE}..16384 (the coarsest DINO feature stride is 64), got {self.max_size}")
 

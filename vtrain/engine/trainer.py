@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader
 
 from vtrain.config import RunConfig
 from vtrain.data.sampler import ShardedEpochSampler
-from vtrain.data.skip import SkipBadSamples, with_bad_list
+from vtrain.data.skip import CollateWithBadList, SkipBadSamples
+from vtrain.data.workers import worker_context
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import head_shard
 from vtrain.engine import rundir
@@ -36,7 +37,7 @@ from vtrain.engine.logging import RunLogger, StepTimer, flat_hparams, memory_gb,
 from vtrain.engine.optim import build_optimizer, build_scheduler, layer_decay_note
 from vtrain.engine.parallel import ParallelEngine, build_accelerator
 from vtrain.engine.plan import resolve_plan
-from vtrain.errors import VtrainError
+from vtrain.errors import BadSample, VtrainError
 from vtrain.models.backbones import load_strict, read_state_dict
 from vtrain.models.checkpointing import recompute_summary
 from vtrain.safeio import enforce_weights_only
@@ -100,6 +101,16 @@ class _Window:
         return keys, sums / counts
 
 
+@contextlib.contextmanager
+def _skip_hint():
+    """An unreadable training image names the flag that skips it: only here, where the flag exists and applies
+    (evaluation, `vtrain eval` and `vtrain predict` never skip an image, so their messages do not suggest it)."""
+    try:
+        yield
+    except BadSample as e:
+        raise BadSample(f"{e} (--skip-bad-images skips unreadable images)") from None
+
+
 class _AgreedError(VtrainError):
     """An error rank 0 found and told the other ranks about: they exit quietly, rank 0 prints it once."""
 
@@ -139,7 +150,11 @@ class Trainer:
         set_seed(t.seed)
         with self.accelerator.main_process_first():  # rank 0 writes the demo data once; the others then read it
             self.task = build_task(cfg)
-            dataset = self.task.train_dataset()
+            with _skip_hint():
+                dataset = self.task.train_dataset()
+        # the evaluation data (held-out sets, .bin packs) is read and checked now: a pack that cannot be scored
+        # must stop the run before it trains, not after its final save
+        self.task.check_eval_data()
         # 4. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
         model = self.task.build_model()
         # --head-parallel sharded: this rank's class shard, built beside (never inside) the model the engine wraps
@@ -295,11 +310,13 @@ class Trainer:
         workers = self.cfg.data.num_workers
         # one loader for the whole run: persistent workers are not re-spawned every epoch (small datasets), and
         # the sampler runs in this process, so its new position applies to the next iteration
-        collate = with_bad_list(self.task.collate_fn) if self.cfg.data.skip_bad_images else self.task.collate_fn
+        collate = CollateWithBadList(self.task.collate_fn) if self.cfg.data.skip_bad_images else self.task.collate_fn
+        # workers start from a fork server, never by forking this process: the lock's heartbeat thread (and
+        # tracker threads) already run here (data/workers.py)
         loader = DataLoader(self.dataset, batch_size=self.cfg.train.batch_size, sampler=self.sampler,
                             num_workers=workers, drop_last=True, collate_fn=collate,
                             persistent_workers=workers > 0, pin_memory=self.accelerator.device.type == "cuda",
-                            worker_init_fn=ignore_in_worker)
+                            worker_init_fn=ignore_in_worker, multiprocessing_context=worker_context(workers))
         self._loader = loader
         while True:
             self.sampler.set_position(epoch, offset)
@@ -412,7 +429,8 @@ class Trainer:
             batches = []
             for _ in range(t.grad_accum):
                 t0 = time.perf_counter()
-                batch_epoch, batch = next(stream)
+                with _skip_hint():
+                    batch_epoch, batch = next(stream)
                 timer.add_data(time.perf_counter() - t0)
                 if epoch is not None and batch_epoch != epoch:
                     self._report_bad_files(epoch)
