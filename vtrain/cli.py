@@ -16,6 +16,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from vtrain import recompute
 from vtrain.config import FLAG_SECTIONS, build_config, read_yaml
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.errors import VtrainError
@@ -72,7 +73,7 @@ def train(
         help="Layer-wise LR decay R in (0, 1] for timm ViT/Swin/ResNet backbones: backbone LR x "
         "R^(layers - timm layer id); the head keeps --lr")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="auto, no, bf16 or fp16")] = None,
-    grad_ckpt: Annotated[Optional[str], typer.Option(help="Comma list of parts to checkpoint, e.g. backbone")] = None,
+    grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
     ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (ZeRO stage, offload)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="Shard with FSDP2")] = None,
     resume: Annotated[Optional[str], typer.Option(help="auto or a checkpoint directory")] = None,
@@ -309,7 +310,7 @@ def estimate_memory_cmd(
     batch_size: Annotated[Optional[int], typer.Option(help="Per-GPU micro-batch")] = None,
     image_size: Annotated[Optional[str], typer.Option(help="HxW or S, e.g. 800x1333 (DINO) or 112 (metric)")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="no, bf16 or fp16")] = None,
-    grad_ckpt: Annotated[Optional[str], typer.Option(help="Comma list: backbone,encoder,decoder")] = None,
+    grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
     zero: Annotated[Optional[int], typer.Option(help="DeepSpeed ZeRO stage 0-3 (0: DDP)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="FSDP2 instead of DDP/ZeRO")] = None,
     offload: Annotated[Optional[str], typer.Option(help="none, optimizer or all")] = None,

@@ -39,6 +39,7 @@ from vtrain.engine.parallel import ParallelEngine, build_accelerator
 from vtrain.engine.plan import resolve_plan
 from vtrain.errors import BadSample, VtrainError
 from vtrain.models.backbones import load_strict, read_state_dict
+from vtrain.models.checkpointing import recompute_summary
 from vtrain.safeio import enforce_weights_only
 from vtrain.tasks import build_task
 
@@ -198,6 +199,7 @@ class Trainer:
         self.model, self.optimizer = self.engine.prepare(model, optimizer)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.active = self.engine.active()
+        self.active["grad_ckpt"] = recompute_summary(self.engine.unwrapped)  # read from the live blocks
         if self.head is not None:
             self.active.update(self.head.active())
         self.engine.verify(self.active)

@@ -25,9 +25,6 @@ from vtrain.models.backbones import check_match, load_backbone_weights, read_sta
 from vtrain.models.dino import DINO, postprocess
 from vtrain.tasks.model import build_model
 
-GRAD_CKPT_PARTS = ("backbone", "encoder", "decoder")
-
-
 @dataclass
 class CocoPaths:
     train_ann: Path | None
@@ -71,10 +68,6 @@ class DinoTask:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        for part in cfg.model.grad_ckpt:
-            if part not in GRAD_CKPT_PARTS:
-                raise VtrainError(f"--grad-ckpt: unknown part {part!r} for --task dino; parts: "
-                                  f"{', '.join(GRAD_CKPT_PARTS)}")
         self.hf = HfSplits(cfg.data.path) if is_hf(cfg.data.path) else None  # --data hf:PATH (data/hf.py)
         if self.hf is not None:
             given = [f for f, v in (("--train-ann", cfg.data.train_ann), ("--train-images", cfg.data.train_images),

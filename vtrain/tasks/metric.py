@@ -29,9 +29,6 @@ from vtrain.models.backbones import check_match, load_backbone_weights, read_sta
 from vtrain.models.metric import MetricModel
 from vtrain.tasks.model import build_model
 
-GRAD_CKPT_PARTS = ("backbone",)
-
-
 @dataclass
 class EvalSet:
     """Images to embed and the pairs over them. name "" is the held-out identities / pairs file (unprefixed
@@ -54,10 +51,6 @@ class MetricTask:
         self._train: FaceSamples | None = None
         self._packs: dict[str, tuple[list[bytes], np.ndarray]] = {}
         self.notes: list[str] = []
-        for part in cfg.model.grad_ckpt:
-            if part not in GRAD_CKPT_PARTS:
-                raise VtrainError(f"--grad-ckpt: unknown part {part!r} for --task metric; parts: "
-                                  f"{', '.join(GRAD_CKPT_PARTS)}")
 
     # ---- data ---------------------------------------------------------------------------------------------
     def train_dataset(self) -> FaceSamples:
