@@ -44,15 +44,16 @@ def test_checkpointing_and_amp_move_the_traced_peak_the_right_way():
 
 def test_cuda_policy_keeps_norms_and_softmax_fp32_under_bf16():
     """CUDA autocast runs layer_norm/softmax in fp32 where CPU autocast stays bf16 (docs/memory_ckpt.md §1.3): the
-    CUDA-policy trace holds more activation bytes than the CPU one (DINO: GroupNorm on bf16 conv outputs, the
-    norms after deformable attention). On a ResNet backbone with the same deformable-attention kernel on both sides:
+    CUDA-policy trace holds more activation bytes than the CPU one (DINO: the fp32 outputs of the norms after
+    deformable attention; the fp32 copies of 16-bit norm inputs are not kept since models/lean.py, which took
+    this margin from 5% to about 3%). On a ResNet backbone with the same deformable-attention kernel on both sides:
     the CUDA policy also traces Swin's biased SDPA through the memory-efficient kernel, which keeps less than CPU's
     math kernel (swin_attention.py), a separate effect."""
     s = Setup(task="dino", preset="debug-resnet", image_size=(128, 160), batch_size=2, precision="bf16", num_classes=5,
               num_targets=3, msda_impl="triton")
     cuda = trace_step(s)["Activation"]
     cpu = trace_step(dataclasses.replace(s, autocast_policy="cpu"))["Activation"]
-    assert cuda > 1.05 * cpu
+    assert cuda > 1.015 * cpu
 
 
 def test_gpu_estimate_traces_the_fused_deformable_attention():

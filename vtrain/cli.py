@@ -16,6 +16,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from vtrain import recompute
 from vtrain.config import FLAG_SECTIONS, build_config, read_yaml
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.errors import VtrainError
@@ -72,7 +73,7 @@ def train(
         help="Layer-wise LR decay R in (0, 1] for timm ViT/Swin/ResNet backbones: backbone LR x "
         "R^(layers - timm layer id); the head keeps --lr")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="auto, no, bf16 or fp16")] = None,
-    grad_ckpt: Annotated[Optional[str], typer.Option(help="Comma list of parts to checkpoint, e.g. backbone")] = None,
+    grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
     ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (ZeRO stage, offload)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="Shard with FSDP2")] = None,
     resume: Annotated[Optional[str], typer.Option(help="auto or a checkpoint directory")] = None,
@@ -116,6 +117,9 @@ def train(
         "checkpoints and logs)")] = None,
     skip_bad_images: Annotated[Optional[bool], typer.Option(
         "--skip-bad-images", help="Skip unreadable image files (named in the log per epoch) instead of stopping")] = None,
+    max_image_pixels: Annotated[Optional[int], typer.Option(
+        help="Refuse (or with --skip-bad-images skip) images above this many pixels, read from their header before "
+        "decoding (default: PIL's 89478485)")] = None,
     pretrained_min_match: Annotated[Optional[float], typer.Option(
         help="Share of the target's tensors a --pretrained file must fill (default 0.9)")] = None,
     allow_partial_pretrained: Annotated[Optional[bool], typer.Option(
@@ -161,6 +165,9 @@ def evaluate(
     best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
     weights: Annotated[Optional[str], typer.Option(
         help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
+    max_image_pixels: Annotated[Optional[int], typer.Option(
+        help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
+        "89478485)")] = None,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
     box AP."""
@@ -173,7 +180,7 @@ def evaluate(
         checkpoint = best_checkpoint(checkpoint, "--checkpoint")
         console.print(f"best checkpoint: {checkpoint}", soft_wrap=True)
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
-                 "val_ann": val_ann, "val_images": val_images}
+                 "val_ann": val_ann, "val_images": val_images, "max_image_pixels": max_image_pixels}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
                                             save_predictions, weights)
     if classwise and "per_class" not in metrics:
@@ -201,6 +208,9 @@ def predict(
     ann: Annotated[Optional[str], typer.Option(
         help="Detection: COCO annotation JSON whose file_names give the image ids (default: 1..N)")] = None,
     num_workers: Annotated[int, typer.Option(help="Image decoding workers")] = 2,
+    max_image_pixels: Annotated[Optional[int], typer.Option(
+        help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
+        "89478485)")] = None,
 ) -> None:
     """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
     from vtrain.engine.logging import console
@@ -211,7 +221,7 @@ def predict(
     if num_workers < 0:
         raise VtrainError("--num-workers: must be >= 0")
     report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
-                         batch_size=batch_size, ann=ann, num_workers=num_workers)
+                         batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels)
     if report.task == "dino":
         console.print(f"{report.images} images on {report.device}: {report.detections} boxes with score >= "
                       f"{score_threshold}; wrote the drawn images and predictions.json to {out}", soft_wrap=True)
@@ -300,7 +310,7 @@ def estimate_memory_cmd(
     batch_size: Annotated[Optional[int], typer.Option(help="Per-GPU micro-batch")] = None,
     image_size: Annotated[Optional[str], typer.Option(help="HxW or S, e.g. 800x1333 (DINO) or 112 (metric)")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="no, bf16 or fp16")] = None,
-    grad_ckpt: Annotated[Optional[str], typer.Option(help="Comma list: backbone,encoder,decoder")] = None,
+    grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
     zero: Annotated[Optional[int], typer.Option(help="DeepSpeed ZeRO stage 0-3 (0: DDP)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="FSDP2 instead of DDP/ZeRO")] = None,
     offload: Annotated[Optional[str], typer.Option(help="none, optimizer or all")] = None,

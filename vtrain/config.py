@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from vtrain import recompute
 from vtrain.config_values import coerce, read_yaml
 from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
 from vtrain.errors import ConfigError
@@ -31,6 +32,10 @@ NECK_NORMS = ("bn", "ln", "none")
 MAX_QUERIES, MAX_DN_QUERIES = 5000, 2000
 MIN_DETECTION_SIZE = 64  # the coarsest DINO level has stride 64 (presets.py): smaller inputs leave it empty
 DEMO_DATA = "demo"  # --data demo: the task's built-in data set (data/demo.py)
+# PIL's own decompression-bomb limit (PIL.Image.MAX_IMAGE_PIXELS, 1024^3 / 4 / 3: a 1 GB RGB image at 32 bits per
+# pixel); torchvision's decoders have none, so vtrain applies it to every image it decodes (docs/input_limits.md)
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+MAX_IMAGE_PIXELS_CEILING = 1 << 32  # 12 GiB as uint8 RGB; libjpeg's 65500 x 65500 is 4.29e9 pixels
 
 
 def _check(cond: bool, flag: str, msg: str) -> None:
@@ -44,7 +49,7 @@ def _check(cond: bool, flag: str, msg: str) -> None:
 _FLAG_RENAMES = {"preset": "--model", "path": "--data", "val_path": "--val-data", "pairs_file": "--pairs"}
 # fields set only in a --config file (no flag): their errors name the key alone, never a flag that does not exist
 CONFIG_ONLY = frozenset({"max_impostor_pairs", "betas", "min_lr_ratio", "milestones", "gamma", "fsdp_offload",
-                         "fsdp_reshard_after_forward"})
+                         "fsdp_reshard_after_forward", "ffn_recompute"})
 
 
 def flag_of(name: str) -> str:
@@ -85,7 +90,11 @@ class ModelConfig:
     step (Partial FC); 1.0 is the full softmax. Below 1 it needs sharded (the replicated head has no sampling)."""
     drop_path: float | None = None
     grad_ckpt: list[str] = field(default_factory=list)
-    """Parts to checkpoint (activation recomputation), e.g. ["backbone"]."""
+    """Activation checkpointing: recompute units as `--grad-ckpt` items (vtrain/recompute.py, docs/recompute.md),
+    e.g. ["backbone"], ["backbone:stage0-1", "encoder:0-3", "sac:decoder"]; a comma string is read as one value."""
+    ffn_recompute: bool = True
+    """DINO: the encoder FFNs make their 2048-wide ReLU output again in backward instead of keeping it: 4.1 GiB less
+    for Swin-L at 800x1333, batch 2, for one more fc1 matmul per layer (+18% forward FLOPs); docs/recompute.md."""
 
     num_queries: int | None = None
     """DINO matching queries (default: the preset's, 900 in the recipe)."""
@@ -112,8 +121,13 @@ class ModelConfig:
         _check(self.sample_rate == 1.0 or self.head_parallel == "sharded", "--sample-rate",
                f"{self.sample_rate} < 1 needs --head-parallel sharded (negative sampling lives in the sharded head)")
         _check(self.drop_path is None or 0.0 <= self.drop_path < 1.0, "--drop-path", "must be in [0, 1)")
-        if isinstance(self.grad_ckpt, str):
-            self.grad_ckpt = [p for p in self.grad_ckpt.split(",") if p]
+        try:
+            spec = recompute.parse(self.grad_ckpt)
+        except recompute.SpecError as e:
+            _check(False, "--grad-ckpt", f"{e}; forms: {recompute.FORMS}")
+        _check(not spec.auto, "--grad-ckpt", "auto needs the memory planner (--memory-budget), which this version "
+               f"does not have yet; name the units instead, forms: {recompute.FORMS}")
+        self.grad_ckpt = spec.canonical()
         if self.pretrained is not None:
             _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
         # upper bounds: the denoising attention mask and the matcher grow with the square of the query count
@@ -154,6 +168,9 @@ class DataConfig:
     """Detection: longest image side after resizing (default: image_size * 1333 / 800)."""
     skip_bad_images: bool = False
     """Skip unreadable image files (counted and named in the log at the end of each epoch) instead of stopping."""
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """Largest image (width x height x frames) decoded; a larger one is refused before decoding, read from its
+    header (or skipped with --skip-bad-images). Default: PIL's decompression-bomb limit, 89478485 pixels."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.num_workers <= 256, "--num-workers", f"must be in 0..256, got {self.num_workers}")
@@ -180,6 +197,8 @@ class DataConfig:
         for flag, value in (("--train-images", self.train_images), ("--val-images", self.val_images)):
             if value is not None:
                 _check(Path(value).is_dir(), flag, f"not a directory: {value}")
+        _check(1 <= self.max_image_pixels <= MAX_IMAGE_PIXELS_CEILING, "--max-image-pixels",
+               f"must be in 1..{MAX_IMAGE_PIXELS_CEILING} pixels, got {self.max_image_pixels}")
         _check(self.max_size is None or MIN_DETECTION_SIZE <= self.max_size <= 16384, "--max-size",
                f"must be in {MIN_DETECTION_SIZE}..16384 (the coarsest DINO feature stride is 64), got {self.max_size}")
 
@@ -336,6 +355,10 @@ class RunConfig:
             # BatchNorm in training needs two samples per channel (each rank normalises its own micro-batch)
             _check(self.model.neck_norm != "bn" or self.train.batch_size >= 2, "--batch-size",
                    "must be >= 2 with the BatchNorm embedding neck (--neck-norm bn); use --neck-norm ln for 1")
+        try:
+            recompute.check_parts(recompute.parse(self.model.grad_ckpt), self.task)
+        except recompute.SpecError as e:
+            _check(False, "--grad-ckpt", str(e))
         _check(self.task == "metric" or self.model.head_parallel == "none", "--head-parallel",
                "sharded is for --task metric (the margin-softmax head)")
         if self.task == "dino":

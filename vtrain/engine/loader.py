@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -10,8 +11,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vtrain.data.sampler import ShardedEpochSampler
-from vtrain.data.skip import with_bad_list
+from vtrain.data.skip import CollateWithBadList
+from vtrain.data.workers import worker_context
 from vtrain.engine.interrupt import ignore_in_worker
+from vtrain.errors import BadSample
 
 
 class MicroBatches:
@@ -19,7 +22,7 @@ class MicroBatches:
                  collate_fn: Callable | None, num_workers: int, device: torch.device, skip_bad: bool) -> None:
         self.dataset, self.sampler, self.batch_size, self.world = dataset, sampler, batch_size, world
         # --skip-bad-images: the samples' lists of skipped files are joined into the batch's `bad` list
-        self.collate_fn = with_bad_list(collate_fn) if skip_bad else collate_fn
+        self.collate_fn = CollateWithBadList(collate_fn) if skip_bad else collate_fn
         self.num_workers, self.device = num_workers, device
         self._loader: DataLoader | None = None
 
@@ -32,11 +35,13 @@ class MicroBatches:
         epoch, offset = divmod(consumed_samples // per_micro, self.sampler.batches_per_epoch)
         workers = self.num_workers
         # one loader for the whole run: persistent workers are not re-spawned every epoch (small datasets), and
-        # the sampler runs in this process, so its new position applies to the next iteration
+        # the sampler runs in this process, so its new position applies to the next iteration;
+        # workers start from a fork server, never by forking this process: the lock's heartbeat thread (and
+        # tracker threads) already run here (data/workers.py)
         loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler,
                             num_workers=workers, drop_last=True, collate_fn=self.collate_fn,
                             persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
-                            worker_init_fn=ignore_in_worker)
+                            worker_init_fn=ignore_in_worker, multiprocessing_context=worker_context(workers))
         self._loader = loader
         while True:
             self.sampler.set_position(epoch, offset)
@@ -51,3 +56,14 @@ class MicroBatches:
         it = getattr(self._loader, "_iterator", None)  # persistent workers' iterator
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
+
+
+@contextlib.contextmanager
+def skip_hint() -> Iterator[None]:
+    """An unreadable training image names the flag that skips it: only around the training data, where the flag
+    exists and applies (evaluation, `vtrain eval` and `vtrain predict` never skip an image, so their messages do
+    not suggest it)."""
+    try:
+        yield
+    except BadSample as e:
+        raise BadSample(f"{e} (--skip-bad-images skips unreadable images)") from None

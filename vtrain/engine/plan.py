@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vtrain import recompute
 from vtrain.config import RunConfig
 from vtrain.ds_json import DS_CONFIG_UNREADABLE, read_json
 from vtrain.engine.ds_config import fill_ds_config
@@ -89,7 +90,9 @@ def resolve_plan(cfg: RunConfig) -> Plan:
         filled, info = fill_ds_config(raw, source or "ds config", batch_size=cfg.train.batch_size,
                                       grad_accum=cfg.train.grad_accum, world_size=world,
                                       clip_grad=cfg.optim.clip_grad, precision=precision,
-                                      precision_explicit=cfg.parallel.mixed_precision != "auto")
+                                      precision_explicit=cfg.parallel.mixed_precision != "auto",
+                                      selective_recompute=any(i.mode == "sac" for i in
+                                                              recompute.parse(cfg.model.grad_ckpt).items))
         return Plan("deepspeed", world, info["precision"], ds_config=filled, zero_stage=info["stage"],
                     offload_optimizer=info["offload_optimizer"], offload_params=info["offload_params"],
                     ds_precision_mode=info["mode"])

@@ -26,7 +26,7 @@ from vtrain.engine import faults, head_shard, rundir
 from vtrain.engine.checkpointer import Checkpointer
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
-from vtrain.engine.loader import MicroBatches
+from vtrain.engine.loader import MicroBatches, skip_hint
 from vtrain.engine.logging import (RunLogger, StatsWindow, StepTimer, describe_run, memory_gb, start_trackers,
                                    tracker_name, write_run_info)
 from vtrain.engine.optim import build_optimizer, build_scheduler, layer_decay_note
@@ -34,6 +34,7 @@ from vtrain.engine.parallel import ParallelEngine, build_accelerator
 from vtrain.engine.plan import resolve_plan
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict, read_state_dict
+from vtrain.models.checkpointing import recompute_summary
 from vtrain.safeio import enforce_weights_only
 from vtrain.tasks import build_task
 
@@ -71,7 +72,11 @@ class Trainer:
         set_seed(t.seed)
         with self.accelerator.main_process_first():  # rank 0 writes the demo data once; the others then read it
             self.task = build_task(cfg)
-            dataset = self.task.train_dataset()
+            with skip_hint():
+                dataset = self.task.train_dataset()
+        # the evaluation data (held-out sets, .bin packs) is read and checked now: a pack that cannot be scored
+        # must stop the run before it trains, not after its final save
+        self.task.check_eval_data()
         # 4. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
         model = self.task.build_model()
         # --head-parallel sharded: this rank's class shard, built beside (never inside) the model the engine wraps
@@ -115,6 +120,7 @@ class Trainer:
         self.model, self.optimizer = self.engine.prepare(model, optimizer)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.active = self.engine.active()
+        self.active["grad_ckpt"] = recompute_summary(self.engine.unwrapped)  # read from the live blocks
         if self.head is not None:
             self.active.update(self.head.active())
         self.engine.verify(self.active)
@@ -252,7 +258,8 @@ class Trainer:
             batches = []
             for _ in range(t.grad_accum):
                 t0 = time.perf_counter()
-                batch_epoch, batch = next(stream)
+                with skip_hint():
+                    batch_epoch, batch = next(stream)
                 timer.add_data(time.perf_counter() - t0)
                 if epoch is not None and batch_epoch != epoch:
                     self._report_bad_files(epoch)

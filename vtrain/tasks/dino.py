@@ -16,6 +16,7 @@ from vtrain.data.coco import CocoDetection, collate
 from vtrain.data.demo import data_root
 from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
+from vtrain.data.workers import worker_context
 from vtrain.dist import gather_objects
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
@@ -23,9 +24,6 @@ from vtrain.files import write_json_atomic
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.dino import DINO, postprocess
 from vtrain.tasks.model import build_model
-
-GRAD_CKPT_PARTS = ("backbone", "encoder", "decoder")
-
 
 @dataclass
 class CocoPaths:
@@ -70,10 +68,6 @@ class DinoTask:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        for part in cfg.model.grad_ckpt:
-            if part not in GRAD_CKPT_PARTS:
-                raise VtrainError(f"--grad-ckpt: unknown part {part!r} for --task dino; parts: "
-                                  f"{', '.join(GRAD_CKPT_PARTS)}")
         self.hf = HfSplits(cfg.data.path) if is_hf(cfg.data.path) else None  # --data hf:PATH (data/hf.py)
         if self.hf is not None:
             given = [f for f, v in (("--train-ann", cfg.data.train_ann), ("--train-images", cfg.data.train_images),
@@ -88,8 +82,10 @@ class DinoTask:
 
     # ---- data ---------------------------------------------------------------------------------------------
     def train_dataset(self) -> CocoDetection:
+        limit = self.cfg.data.max_image_pixels
         if self._train is None and self.hf is not None:
-            self._train = self.hf.detection("train", self.size, self.max_size, train=True, seed=self.cfg.train.seed)
+            self._train = self.hf.detection("train", self.size, self.max_size, train=True, seed=self.cfg.train.seed,
+                                            max_pixels=limit)
             self.notes.append(self._train.report.summary("train data"))
         if self._train is None:
             if self.paths.train_ann is None or self.paths.train_images is None:
@@ -97,17 +93,23 @@ class DinoTask:
                                   "(annotations/instances_train2017.json and train2017/); give --train-ann and "
                                   "--train-images")
             self._train = CocoDetection(self.paths.train_ann, self.paths.train_images, self.size, self.max_size,
-                                        train=True, seed=self.cfg.train.seed)
+                                        train=True, seed=self.cfg.train.seed, max_pixels=limit)
             self.notes.append(self._train.report.summary("train data"))
         return self._train
 
     def val_dataset(self) -> CocoDetection | None:
+        limit = self.cfg.data.max_image_pixels
         if self._val is None and self.hf is not None and self.hf.eval_split is not None:
-            self._val = self.hf.detection(self.hf.eval_split, self.size, self.max_size, train=False)
+            self._val = self.hf.detection(self.hf.eval_split, self.size, self.max_size, train=False,
+                                          max_pixels=limit)
         if self._val is None and self.paths is not None and self.paths.val_ann is not None:
             self._val = CocoDetection(self.paths.val_ann, self.paths.val_images, self.size, self.max_size,
-                                      train=False)
+                                      train=False, max_pixels=limit)
         return self._val
+
+    def check_eval_data(self) -> None:
+        """Load and check the evaluation set now (at the start of training), not first at evaluation time."""
+        self.val_dataset()
 
     @staticmethod
     def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,8 +156,9 @@ class DinoTask:
             return None
         n = len(ds)
         order, real = eval_shard(n, rank, world)  # the padding duplicates are not scored
+        workers = min(self.cfg.data.num_workers, 2)
         loader = DataLoader(Subset(ds, order), batch_size=self.cfg.train.batch_size, collate_fn=collate,
-                            num_workers=min(self.cfg.data.num_workers, 2))
+                            num_workers=workers, multiprocessing_context=worker_context(workers))
         dets: list[dict[str, Any]] = []
         pos = 0
         for batch in loader:

@@ -85,7 +85,8 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     given = {k: v for k, v in data.items() if v is not None}
     # no --data: the run's own data (and its explicit files); a new --data root: only what is given
     keep = () if "path" in given else ("path", "val_targets", "train_ann", "train_images", "val_ann", "val_images")
-    merged = {**{k: saved[k] for k in keep if saved.get(k) is not None}, "max_size": saved.get("max_size"), **given}
+    merged = {**{k: saved[k] for k in keep if saved.get(k) is not None}, "max_size": saved.get("max_size"),
+              **({"max_image_pixels": saved["max_image_pixels"]} if saved.get("max_image_pixels") else {}), **given}
     cfg = replace(cfg, data=DataConfig(**merged),
                   train=replace(cfg.train, batch_size=batch_size or cfg.train.batch_size))
     task = build_task(cfg)

@@ -196,7 +196,8 @@ def estimate_report(setup: Setup, gpu_memory_gib: float = 24.0, compare_gc: bool
     traces = {tuple(setup.grad_ckpt): trace_step(setup)}
     seconds = time.perf_counter() - t0
     chosen = estimate(setup, traces[tuple(setup.grad_ckpt)], facts)
-    gc_choices = [(), ("backbone",), ("backbone", "encoder")] if setup.task == "dino" else [(), ("backbone",)]
+    gc_choices = [(), ("backbone",), ("backbone", "encoder"), ("backbone", "encoder", "decoder")] \
+        if setup.task == "dino" else [(), ("backbone",)]
     rows = []
     if compare_gc:
         for gc in gc_choices:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vtrain import recompute
 from vtrain.config import build_config, read_yaml
 from vtrain.ds_json import bucket_sizes, explicit_16bit, read_json, zero_settings
 from vtrain.engine.plan import resolve_precision
@@ -25,7 +26,8 @@ class Setup:
     batch_size: int = 2
     image_size: tuple[int, int] = (800, 1333)
     precision: str = "bf16"  # no | bf16 | fp16
-    grad_ckpt: tuple[str, ...] = ()
+    grad_ckpt: tuple[str, ...] = ()  # --grad-ckpt items (vtrain/recompute.py), e.g. ("backbone", "encoder:0-2")
+    ffn_recompute: bool = True  # DINO encoder FFNs remake their hidden layer in backward (ModelConfig.ffn_recompute)
     zero: int = 0  # 0 = DDP, 1-3 = ZeRO stage
     fsdp: bool = False
     offload: str = "none"  # none | optimizer | all
@@ -86,6 +88,7 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         s.image_size = test_sizes(size, cfg.data.max_size) if cfg.task == "dino" else (size, size)
         s.precision = resolve_precision(cfg.parallel.mixed_precision)
         s.grad_ckpt = tuple(cfg.model.grad_ckpt)
+        s.ffn_recompute = cfg.model.ffn_recompute
         s.fsdp = cfg.parallel.fsdp
         ds_config = ds_config or cfg.parallel.ds_config
         if cfg.task == "metric":
@@ -110,12 +113,14 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         s.image_size = parse_image_size(image_size, s.task)
     if precision is not None:
         s.precision = resolve_precision(precision)
-    if grad_ckpt is not None:
-        s.grad_ckpt = tuple(p for p in grad_ckpt.split(",") if p)
-    allowed = ("backbone", "encoder", "decoder") if s.task == "dino" else ("backbone",)
-    bad = [p for p in s.grad_ckpt if p not in allowed]
-    if bad:
-        raise VtrainError(f"--grad-ckpt: unknown part {bad[0]!r} for --task {s.task}; parts: {', '.join(allowed)}")
+    try:
+        spec = recompute.parse(grad_ckpt if grad_ckpt is not None else s.grad_ckpt)
+        recompute.check_parts(spec, s.task)
+    except recompute.SpecError as e:
+        raise VtrainError(f"--grad-ckpt: {e}; forms: {recompute.FORMS}") from None
+    if spec.auto:
+        raise VtrainError("--grad-ckpt auto: the memory planner is not in this version; name the units")
+    s.grad_ckpt = tuple(spec.canonical())
     if zero is not None:
         if zero not in (0, 1, 2, 3):
             raise VtrainError("--zero: choose 0, 1, 2 or 3")

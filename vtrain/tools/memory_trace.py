@@ -111,8 +111,9 @@ def step_inputs(setup: Setup, device: torch.device) -> dict[str, torch.Tensor]:
 def build_model(setup: Setup) -> nn.Module:
     """The task's real model (tasks.build_model), default head settings, the Setup's checkpointing."""
     size = setup.image_size[0] if setup.task == "metric" else ModelConfig.image_size  # DINO takes any size
-    return build_task_model(setup.task, ModelConfig(preset=setup.preset, image_size=size,
-                                                    grad_ckpt=list(setup.grad_ckpt)), setup.num_classes)
+    m = ModelConfig(preset=setup.preset, image_size=size, grad_ckpt=list(setup.grad_ckpt),
+                    ffn_recompute=setup.ffn_recompute)
+    return build_task_model(setup.task, m, setup.num_classes)
 
 
 class LiveBytes(TorchDispatchMode):
