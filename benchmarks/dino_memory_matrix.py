@@ -1,7 +1,7 @@
 """DINO training-step memory and speed against `vtrain estimate-memory`: precision x checkpointing x engine.
 
 Each row runs in its own process (an engine owns process-global state: the process group, DeepSpeed), builds the
-real vtrain model (`vtrain.tools.memory.build_model`, the constructor `vtrain train` and estimate-memory use),
+real vtrain model (`vtrain.tools.memory_trace.build_model`, the constructor `vtrain train` and estimate-memory use),
 wraps it with vtrain's own engine (`resolve_plan`, `build_accelerator`, `ParallelEngine.shard/prepare`,
 `build_optimizer`, as the Trainer does), feeds the estimator's own inputs (batch 2, 800x1333 padded to a multiple
 of 32, --targets boxes per image) and times forward + backward + optimizer step through the engine: --warmup steps
@@ -53,7 +53,7 @@ ENGINES = {"single": {}, "fsdp2": {"fsdp": True}, "zero2": {"ds_config": "ds_con
 
 def _setup(row: dict):
     """estimate-memory's Setup for a row, through the CLI's own constructor."""
-    from vtrain.tools.memory import setup_from
+    from vtrain.tools.memory_setup import setup_from
 
     h, w = row["image_size"]
     flags = ENGINES[row["engine"]]
@@ -80,7 +80,7 @@ def _alive_cpu_bytes() -> int:
 def child(row: dict) -> dict:
     """One row, measured in this process with vtrain's engine; returns the measurements."""
     from vtrain.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
-    from vtrain.tools.memory import _inputs, build_model, profiled_peak
+    from vtrain.tools.memory_trace import build_model, profiled_peak, step_inputs
     from vtrain.engine.optim import build_optimizer
     from vtrain.engine.parallel import ParallelEngine, build_accelerator
     from vtrain.engine.plan import resolve_plan
@@ -103,7 +103,7 @@ def child(row: dict) -> dict:
     model, _ = engine.prepare(model, build_optimizer(model, cfg.optim, plan))
     model.train()
     # every input on the device, num_targets too (estimate_memory_vs_cuda.py left it on the CPU and crashed)
-    inputs = {k: v.to(device) for k, v in _inputs(setup, torch.device("cpu")).items()}
+    inputs = {k: v.to(device) for k, v in step_inputs(setup, torch.device("cpu")).items()}
     inputs["images"] = inputs["images"].to(engine.input_dtype)
 
     def step() -> None:

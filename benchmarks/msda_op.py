@@ -16,7 +16,7 @@ For each shape and implementation:
 - max |triton - pytorch| of the output, as a sanity check.
 
     python benchmarks/msda_op.py                       # GPU: encoder and decoder shapes
-    python benchmarks/msda_op.py --sweep               # GPU: also the Triton tile sizes and warps
+    python benchmarks/msda_op.py --sweep               # GPU: also the Triton warps and register caps
     TRITON_INTERPRET=1 python benchmarks/msda_op.py    # CPU: a small shape under the Triton interpreter (smoke run)
 
 Writes the table to stdout and, with --out, the rows as JSON.
@@ -119,7 +119,7 @@ def measure(name: str, levels, queries: int, impl: str, args, device: torch.devi
         for t in leaves:
             t.grad = None
     else:
-        from vtrain.tools.memory import profiled_peak
+        from vtrain.tools.memory_trace import profiled_peak
 
         peak = profiled_peak(fwd_bwd)
     return {"shape": name, "queries": queries, "impl": impl, "dtype": str(args.dtype).removeprefix("torch."),
@@ -137,20 +137,20 @@ def max_diff(levels, queries: int, args, device: torch.device) -> float:
 
 
 def sweep(levels, queries: int, args, device: torch.device) -> list[str]:
-    """Forward + backward ms of the fused op for each tile size and warp count (the constants in msda_triton)."""
+    """Forward + backward ms of the fused op for each warp count and register cap (`NUM_WARPS`, `MAXNREG` in
+    msda_triton; the tile follows from them in `launch_config`)."""
     from vtrain.models.dino import msda_triton as k
 
-    saved = k.FWD_TILE, k.BWD_TILE, k.NUM_WARPS
-    lines = ["| FWD_TILE | BWD_TILE | num_warps | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|"]
+    saved = k.NUM_WARPS, k.MAXNREG
+    lines = ["| num_warps | maxnreg | fwd ms | fwd+bwd ms |", "|---|---|---|---|"]
     try:
-        for fwd_tile in (2048, 4096, 8192):
-            for bwd_tile in (1024, 2048, 4096):
-                for warps in (2, 4, 8):
-                    k.FWD_TILE, k.BWD_TILE, k.NUM_WARPS = fwd_tile, bwd_tile, warps
-                    r = measure("sweep", levels, queries, "triton", args, device)
-                    lines.append(f"| {fwd_tile} | {bwd_tile} | {warps} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} |")
+        for warps in (2, 4, 8):
+            for maxnreg in (None, 56, 48):
+                k.NUM_WARPS, k.MAXNREG = warps, maxnreg
+                r = measure("sweep", levels, queries, "triton", args, device)
+                lines.append(f"| {warps} | {maxnreg or 'ptxas'} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} |")
     finally:
-        k.FWD_TILE, k.BWD_TILE, k.NUM_WARPS = saved
+        k.NUM_WARPS, k.MAXNREG = saved
     return lines
 
 
@@ -163,7 +163,7 @@ def main() -> None:
     ap.add_argument("--points", type=int, default=4)
     ap.add_argument("--iters", type=int, default=None, help="timed repetitions (default 20 on a GPU, 1 on a CPU)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed repetitions first (default 5 / 0)")
-    ap.add_argument("--sweep", action="store_true", help="also time the Triton tile sizes (encoder shape)")
+    ap.add_argument("--sweep", action="store_true", help="also time the Triton warps / register caps (encoder)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     args.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -198,7 +198,7 @@ def main() -> None:
     print(f"\ndevice: {rows[0]['device']}; torch {torch.__version__}")
     if args.sweep:
         if not cuda:
-            raise SystemExit("--sweep needs a GPU (interpreter timings say nothing about tile sizes)")
+            raise SystemExit("--sweep needs a GPU (interpreter timings say nothing about tilings)")
         print()
         print("\n".join(sweep(ENCODER_LEVELS, sum(h * w for h, w in ENCODER_LEVELS), args, device)))
     if args.out:

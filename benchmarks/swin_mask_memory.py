@@ -1,6 +1,6 @@
 """Where Swin's training memory goes, by the aten op that made each storage (fake tensors: no real memory, no GPU).
 
-One bf16 forward + backward traced with vtrain's estimator (`vtrain.tools.memory`: `LiveBytes` and the CUDA
+One bf16 forward + backward traced with vtrain's estimator (`vtrain.tools.memory_trace`: `LiveBytes` and the CUDA
 autocast policy), here with each storage tagged with the op that created it. Printed per case: the activation
 peak (the estimator's figure), the storages live at that peak and at the end of the forward (what backward
 keeps) grouped by op and dtype, and the part that is N x N per window (N = window area: attention matrices,
@@ -29,7 +29,8 @@ import timm
 import torch
 from torch.utils._pytree import tree_leaves
 
-from vtrain.tools import memory
+from vtrain.tools import memory_trace as memory
+from vtrain.tools.memory_setup import Setup
 from vtrain.models import swin_attention
 
 GiB = 2**30
@@ -120,8 +121,8 @@ def trace_dino(grad_ckpt: tuple[str, ...], patched: bool) -> tuple[OpLiveBytes, 
     if not patched:
         detector.use_shared_bias_attention = lambda model: 0
     try:
-        setup = memory.Setup(task="dino", preset="swin-l", batch_size=2, image_size=(800, 1333), precision="bf16",
-                             grad_ckpt=grad_ckpt)
+        setup = Setup(task="dino", preset="swin-l", batch_size=2, image_size=(800, 1333), precision="bf16",
+                      grad_ckpt=grad_ckpt)
         memory.trace_step(setup)
     finally:
         memory.LiveBytes, memory.build_model, detector.use_shared_bias_attention = saved

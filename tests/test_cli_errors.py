@@ -23,6 +23,7 @@ def _one_line_error(proc, *needles):
     (["--resume", "/no/such/ckpt"], ["--resume"]),
     (["--ds-config", "/no/such.json"], ["--ds-config"]),
     (["--grad-ckpt", "encoder"], ["--grad-ckpt", "encoder"]),
+    (["--grad-ckpt", "backbone:7"], ["--grad-ckpt", "stageN or blockN", "forms: PART"]),
     (["--ds-config", "ds_configs/zero2.json", "--fsdp"], ["--fsdp"]),
 ])
 def test_bad_flags(args, needles, tmp_path):

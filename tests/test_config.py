@@ -114,3 +114,19 @@ def test_shipped_ds_configs_fill_cleanly():
         stages[name] = (info["stage"], info["offload_optimizer"], info["offload_params"])
     assert stages == {"zero1": (1, False, False), "zero2": (2, False, False), "zero2_offload": (2, True, False),
                       "zero3": (3, False, False), "zero3_offload": (3, True, True)}
+
+
+def test_every_flag_section_field_is_a_train_option():
+    """cli.FLAG_SECTIONS is derived from the config dataclasses (every field but CONFIG_ONLY): each of those fields
+    must be a `vtrain train` option under the name errors give it (flag_of), and each option a field, --task or
+    --config."""
+    import typer.main
+
+    from vtrain.cli import FLAG_SECTIONS, app
+    from vtrain.config import flag_of
+
+    train = typer.main.get_command(app).commands["train"]
+    options = {o for p in train.params for o in p.opts}
+    with_flag = {flag_of(n) for names in FLAG_SECTIONS.values() for n in names}
+    assert with_flag <= options, f"fields without a `vtrain train` option: {sorted(with_flag - options)}"
+    assert options - with_flag == {"--task", "--config"}

@@ -12,8 +12,9 @@ import torch
 
 from conftest import ok, vtrain
 from test_msda import interpret  # noqa: F401 (fixture: the Triton kernels under the interpreter)
-from vtrain.tools.memory import (LiveBytes, Setup, allocator_peak, deepspeed_reference, model_facts,
-                                  estimate, max_batch_that_fits, model_state_bytes, profiled_peak, trace_step)
+from vtrain.tools.memory import deepspeed_reference, estimate, max_batch_that_fits, model_facts, model_state_bytes
+from vtrain.tools.memory_setup import Setup
+from vtrain.tools.memory_trace import LiveBytes, allocator_peak, profiled_peak, trace_step
 
 
 CASES = [("dino", "debug", (128, 160), 2), ("metric", "debug", (112, 112), 8)]
@@ -43,15 +44,16 @@ def test_checkpointing_and_amp_move_the_traced_peak_the_right_way():
 
 def test_cuda_policy_keeps_norms_and_softmax_fp32_under_bf16():
     """CUDA autocast runs layer_norm/softmax in fp32 where CPU autocast stays bf16 (docs/memory_ckpt.md §1.3): the
-    CUDA-policy trace holds more activation bytes than the CPU one (DINO: GroupNorm on bf16 conv outputs, the
-    norms after deformable attention). On a ResNet backbone with the same deformable-attention kernel on both sides:
+    CUDA-policy trace holds more activation bytes than the CPU one (DINO: the fp32 outputs of the norms after
+    deformable attention; the fp32 copies of 16-bit norm inputs are not kept since models/lean.py, which took
+    this margin from 5% to about 3%). On a ResNet backbone with the same deformable-attention kernel on both sides:
     the CUDA policy also traces Swin's biased SDPA through the memory-efficient kernel, which keeps less than CPU's
     math kernel (swin_attention.py), a separate effect."""
     s = Setup(task="dino", preset="debug-resnet", image_size=(128, 160), batch_size=2, precision="bf16", num_classes=5,
               num_targets=3, msda_impl="triton")
     cuda = trace_step(s)["Activation"]
     cpu = trace_step(dataclasses.replace(s, autocast_policy="cpu"))["Activation"]
-    assert cuda > 1.05 * cpu
+    assert cuda > 1.015 * cpu
 
 
 def test_gpu_estimate_traces_the_fused_deformable_attention():
@@ -131,6 +133,25 @@ def test_estimate_total_and_max_batch():
     assert max_batch_that_fits(est, est.total) == 2  # exactly the traced batch
     assert max_batch_that_fits(est, int(est.total + 10.5 * per_sample)) == 12  # room for 10 more samples
     assert max_batch_that_fits(est, est.overhead) == 0
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
+def test_estimate_reads_a_ds_config_as_the_training_run_does(name, tmp_path):
+    """One reading of a DeepSpeed JSON (ds_json.py): estimate-memory's Setup and the launch plan agree on the
+    stage, the offloading and DeepSpeed's own 16-bit mode, for the shipped files and a full-bf16 variant."""
+    from conftest import ROOT
+    from vtrain.engine.ds_config import fill_ds_config
+    from vtrain.tools.memory_setup import setup_from
+
+    raw = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+    for variant in (raw, {**raw, "bf16": {"enabled": True}}):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(variant))
+        _, info = fill_ds_config(variant, name, batch_size=2, grad_accum=1, world_size=8, clip_grad=1.0,
+                                 precision="bf16", precision_explicit=False)
+        s = setup_from(ds_config=str(path), gpus=8)
+        offload = "all" if info["offload_params"] else ("optimizer" if info["offload_optimizer"] else "none")
+        assert (s.zero, s.offload, s.ds_16bit) == (info["stage"], offload, info["mode"] == "bf16")
 
 
 def test_estimate_memory_command(tmp_path):

@@ -4,6 +4,9 @@ PyTorch path; the custom-op contract (fake kernel, autograd, what backward saves
 from __future__ import annotations
 
 import importlib
+import logging
+import re
+import sys
 
 import pytest
 import torch
@@ -65,8 +68,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_forward_and_gradients_match_float64_reference(case, poisoned):
+def _check_against_float64(case):
     shapes, b, m, d, q, p = CASES[case]
     value, loc, attn = _inputs(shapes, b, m, d, q, p, seed=len(case))
     grad_out = torch.randn(b, q, m * d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -78,6 +80,23 @@ def test_forward_and_gradients_match_float64_reference(case, poisoned):
         # location gradients scale with the map size (d loc = size * d pixel)
         torch.testing.assert_close(got.double(), ref, atol=1e-4 if name == "locations" else 1e-5, rtol=1e-5,
                                    msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_gradients_match_float64_reference(case, poisoned):
+    _check_against_float64(case)
+
+
+def test_scalar_atomics_of_gpus_before_sm90_match_too(poisoned, monkeypatch):
+    """Before sm_90 the backward adds the value gradient with scalar atomics on quarter tiles (SPLIT_RED,
+    docs/msda_roofline.md §3); the interpreter runs that path when the capability says 8.0. D = 5: the quarter
+    tiles' channel masks matter."""
+    monkeypatch.setattr(poisoned, "_capability", lambda t: (8, 0))
+    launches = []
+    real = poisoned.backward_launch
+    monkeypatch.setattr(poisoned, "backward_launch", lambda *a: launches.append(real(*a)) or launches[-1])
+    _check_against_float64("odd-sizes-and-1x1")
+    assert launches and all(launch.kwargs["SPLIT_RED"] for launch in launches)
 
 
 def test_bf16_and_fp16_inputs_at_their_tolerance(poisoned):
@@ -241,3 +260,101 @@ def test_module_feeds_fp32_locations_and_weights_and_returns_the_compute_dtype(m
         out = attn(torch.randn(1, 5, 16), torch.rand(1, 5, 2, 2), torch.randn(1, 20, 16), shapes)
     assert seen == {"value": torch.bfloat16, "loc": torch.float32, "attn": torch.float32}
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+# ---- impl="auto" falls back once, with one warning; impl="triton" raises --------------------------------------
+@pytest.fixture
+def as_on_gpu(interpret, monkeypatch, caplog):
+    """impl='auto' as on a CUDA GPU of compute capability 9.0, before the per-process decision: CPU tensors take
+    the GPU branch and the kernels run in the interpreter. Yields the captured log records."""
+    monkeypatch.setattr(msda, "_fallback_reason", None)
+    monkeypatch.setattr(msda, "_triton_reason", None)
+    monkeypatch.setattr(msda, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(msda, "_gpu_capability", lambda t: (9, 0))
+    caplog.set_level(logging.WARNING, logger=msda.__name__)
+    return caplog
+
+
+def _no_triton(mp: pytest.MonkeyPatch) -> None:
+    mp.setitem(sys.modules, "vtrain.models.dino.msda_triton", None)  # the import raises ImportError
+    mp.delattr(importlib.import_module("vtrain.models.dino"), "msda_triton")
+
+
+def _old_gpu(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(msda, "_gpu_capability", lambda t: (7, 5))
+
+
+def _compile_fails(mp: pytest.MonkeyPatch) -> None:
+    def fail(*args):
+        raise RuntimeError("injected: out of resources\nmore lines of the compiler's report")
+
+    mp.setattr(importlib.import_module("vtrain.models.dino.msda_triton"), "forward", fail)
+
+
+def _other_rank_fails(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(msda, "_all_true", lambda flag, device=None: False)  # the MIN all-reduce over ranks says no
+
+
+FALLBACKS = {
+    "triton-missing": (_no_triton, "Triton is not importable (ModuleNotFoundError"),
+    "gpu-too-old": (_old_gpu, "compute capability 7.5, the Triton kernels need 8.0 or newer"),
+    "compile-or-launch-fails": (_compile_fails, "failed (RuntimeError: injected: out of resources)"),
+    "another-rank-fails": (_other_rank_fails, "cannot run on another rank"),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_auto_falls_back_once_with_one_warning_naming_the_reason(case, as_on_gpu):
+    breakage, reason = FALLBACKS[case]
+    shapes = [(3, 4), (1, 2)]
+    value, loc, attn = (t.float() for t in _inputs(shapes, 1, 2, 4, 3, 2, seed=8))
+    expected = msda.ms_deform_attn_pytorch(value, shapes, loc, attn)
+    with pytest.MonkeyPatch.context() as mp:
+        breakage(mp)
+        out = ms_deform_attn(value, shapes, loc, attn)  # impl="auto"
+    assert torch.equal(out, expected)
+    records = [r for r in as_on_gpu.records if r.name == msda.__name__]
+    assert len(records) == 1 and "\n" not in records[0].getMessage()
+    assert "falls back to the PyTorch path" in records[0].getMessage() and reason in records[0].getMessage()
+    # decided for the process: with the cause gone, later calls still take the PyTorch path and say nothing
+    assert torch.equal(ms_deform_attn(value, shapes, loc, attn), expected)
+    assert msda.resolve_impl("auto", value, loc, attn) == "pytorch"
+    assert len([r for r in as_on_gpu.records if r.name == msda.__name__]) == 1
+
+
+def test_auto_uses_the_kernels_when_they_run_and_decides_once(as_on_gpu, monkeypatch):
+    shapes = [(3, 4), (1, 2)]
+    value, loc, attn = (t.float() for t in _inputs(shapes, 1, 2, 4, 3, 2, seed=9))
+    probes = []
+    real_probe = msda._launch_reason
+    monkeypatch.setattr(msda, "_launch_reason", lambda *a: probes.append(1) or real_probe(*a))
+    out = ms_deform_attn(value, shapes, loc, attn)
+    out2 = ms_deform_attn(value, shapes, loc, attn)
+    assert probes == [1] and msda._fallback_reason == "" and not as_on_gpu.records
+    assert torch.equal(out, out2)
+    torch.testing.assert_close(out, msda.ms_deform_attn_pytorch(value, shapes, loc, attn), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["triton-missing", "gpu-too-old"])
+def test_impl_triton_raises_instead_of_falling_back(case, as_on_gpu):
+    breakage, reason = FALLBACKS[case]
+    shapes = [(2, 3)]
+    value, loc, attn = (t.float() for t in _inputs(shapes, 1, 1, 2, 3, 1, seed=0))
+    with pytest.MonkeyPatch.context() as mp:
+        breakage(mp)
+        with pytest.raises(RuntimeError, match=r"ms_deform_attn\(impl='triton'\): .*" + re.escape(reason)):
+            ms_deform_attn(value, shapes, loc, attn, impl="triton")
+    assert msda._fallback_reason is None and not as_on_gpu.records
+
+
+def test_auto_compiles_without_a_graph_break_once_decided(as_on_gpu, monkeypatch):
+    """The per-process decision is a module global after the first call: torch.compile folds it into the graph."""
+    monkeypatch.setattr(msda, "_fallback_reason", "")  # decided: the kernels run
+    shapes = [(3, 4), (2, 2)]
+    value, loc, attn = (t.float() for t in _inputs(shapes, 1, 2, 4, 3, 2, seed=6))
+
+    def f(v, lc, a):
+        return ms_deform_attn(v, shapes, lc, a).square().sum()  # impl="auto"
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(value, loc, attn), f(value, loc, attn))

@@ -1,5 +1,9 @@
 """Command line (Typer only): builds a validated config and calls the core. User mistakes become one line on
-stderr and exit code 2, never a traceback."""
+stderr and exit code 2, never a traceback.
+
+Start-up speed: this module imports nothing that imports torch (tests/test_layers.py checks it), so a flag or
+config error is reported in about half a second. Each command imports the heavy modules it needs (engine,
+tools, models) inside its function, after the checks that need none of them."""
 
 from __future__ import annotations
 
@@ -12,7 +16,11 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from vtrain import recompute
+from vtrain.config import FLAG_SECTIONS, build_config, read_yaml
+from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.errors import VtrainError
+from vtrain.safeio import force_weights_only_env
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train large vision models on small GPUs (Accelerate + DeepSpeed ZeRO / FSDP2).")
@@ -30,23 +38,9 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
-# config fields that have a flag of their own, per section (the others are set in a --config file only)
-FLAG_SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("preset", "pretrained", "image_size", "embedding_dim", "neck_norm", "head", "margin", "scale",
-              "head_parallel", "sample_rate", "drop_path", "grad_ckpt", "num_queries", "dn_queries",
-              "pretrained_min_match", "allow_partial_pretrained"),
-    "data": ("path", "num_workers", "val_path", "pairs_file", "val_targets", "train_ann", "train_images", "val_ann",
-             "val_images", "max_size", "skip_bad_images"),
-    "optim": ("lr", "weight_decay", "backbone_lr_mult", "warmup_steps", "schedule", "clip_grad", "layer_decay"),
-    "parallel": ("mixed_precision", "ds_config", "fsdp"),
-    "train": ("output_dir", "epochs", "max_steps", "batch_size", "grad_accum", "resume", "resume_weights_only",
-              "save_every", "keep_last", "eval_every", "log_every", "seed", "max_nonfinite",
-              "overwrite_output_dir", "ema_decay", "ema_warmup", "keep_best", "report_to", "compile"),
-}
-
-
 def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
-    """Map flat CLI flags to config sections; unset flags (None) do not override the YAML file."""
+    """Map flat CLI flags to config sections (FLAG_SECTIONS: the config fields that have a flag); unset flags
+    (None) do not override the YAML file."""
     out: dict[str, dict[str, Any]] = {s: {} for s in FLAG_SECTIONS}
     for section, names in FLAG_SECTIONS.items():
         for n in names:
@@ -79,7 +73,7 @@ def train(
         help="Layer-wise LR decay R in (0, 1] for timm ViT/Swin/ResNet backbones: backbone LR x "
         "R^(layers - timm layer id); the head keeps --lr")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="auto, no, bf16 or fp16")] = None,
-    grad_ckpt: Annotated[Optional[str], typer.Option(help="Comma list of parts to checkpoint, e.g. backbone")] = None,
+    grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
     ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (ZeRO stage, offload)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="Shard with FSDP2")] = None,
     resume: Annotated[Optional[str], typer.Option(help="auto or a checkpoint directory")] = None,
@@ -123,6 +117,9 @@ def train(
         "checkpoints and logs)")] = None,
     skip_bad_images: Annotated[Optional[bool], typer.Option(
         "--skip-bad-images", help="Skip unreadable image files (named in the log per epoch) instead of stopping")] = None,
+    max_image_pixels: Annotated[Optional[int], typer.Option(
+        help="Refuse (or with --skip-bad-images skip) images above this many pixels, read from their header before "
+        "decoding (default: PIL's 89478485)")] = None,
     pretrained_min_match: Annotated[Optional[float], typer.Option(
         help="Share of the target's tensors a --pretrained file must fill (default 0.9)")] = None,
     allow_partial_pretrained: Annotated[Optional[bool], typer.Option(
@@ -141,12 +138,8 @@ def train(
         "own, the rest eager (docs/compile.md)")] = None,
 ) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
-    from vtrain.engine.interrupt import GracefulInterrupt
-
     # first: a SIGTERM/SIGINT that arrives while the model is being built must also lead to a checkpoint
     interrupt = GracefulInterrupt().install()
-    from vtrain.config import build_config, read_yaml
-
     file_values = read_yaml(config) if config is not None else {}
     flags = dict(locals())
     flags.update(preset=model, path=data, val_path=val_data, pairs_file=pairs)
@@ -175,6 +168,9 @@ def evaluate(
     best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
     weights: Annotated[Optional[str], typer.Option(
         help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
+    max_image_pixels: Annotated[Optional[int], typer.Option(
+        help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
+        "89478485)")] = None,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
     box AP."""
@@ -187,7 +183,7 @@ def evaluate(
         checkpoint = best_checkpoint(checkpoint, "--checkpoint")
         console.print(f"best checkpoint: {checkpoint}", soft_wrap=True)
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
-                 "val_ann": val_ann, "val_images": val_images}
+                 "val_ann": val_ann, "val_images": val_images, "max_image_pixels": max_image_pixels}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
                                             save_predictions, weights)
     if classwise and "per_class" not in metrics:
@@ -215,6 +211,9 @@ def predict(
     ann: Annotated[Optional[str], typer.Option(
         help="Detection: COCO annotation JSON whose file_names give the image ids (default: 1..N)")] = None,
     num_workers: Annotated[int, typer.Option(help="Image decoding workers")] = 2,
+    max_image_pixels: Annotated[Optional[int], typer.Option(
+        help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
+        "89478485)")] = None,
 ) -> None:
     """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
     from vtrain.engine.logging import console
@@ -225,7 +224,7 @@ def predict(
     if num_workers < 0:
         raise VtrainError("--num-workers: must be >= 0")
     report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
-                         batch_size=batch_size, ann=ann, num_workers=num_workers)
+                         batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels)
     if report.task == "dino":
         console.print(f"{report.images} images on {report.device}: {report.detections} boxes with score >= "
                       f"{score_threshold}; wrote the drawn images and predictions.json to {out}", soft_wrap=True)
@@ -314,7 +313,7 @@ def estimate_memory_cmd(
     batch_size: Annotated[Optional[int], typer.Option(help="Per-GPU micro-batch")] = None,
     image_size: Annotated[Optional[str], typer.Option(help="HxW or S, e.g. 800x1333 (DINO) or 112 (metric)")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="no, bf16 or fp16")] = None,
-    grad_ckpt: Annotated[Optional[str], typer.Option(help="Comma list: backbone,encoder,decoder")] = None,
+    grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
     zero: Annotated[Optional[int], typer.Option(help="DeepSpeed ZeRO stage 0-3 (0: DDP)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="FSDP2 instead of DDP/ZeRO")] = None,
     offload: Annotated[Optional[str], typer.Option(help="none, optimizer or all")] = None,
@@ -335,7 +334,8 @@ def estimate_memory_cmd(
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
     from rich.console import Console  # after the checks above: a bad number is reported without importing torch
 
-    from vtrain.tools.memory import estimate_report, setup_from
+    from vtrain.tools.memory import estimate_report
+    from vtrain.tools.memory_setup import setup_from
 
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
@@ -398,9 +398,6 @@ def main() -> None:
     # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
     # errors reach us instead of being drawn as a multi-line box (Typer >= 0.26 vendors Click as typer._click).
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
-
-    from vtrain.engine.interrupt import TrainingInterrupted
-    from vtrain.safeio import force_weights_only_env
 
     force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
     try:

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
-import math
-import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -18,8 +15,12 @@ from typing import Any
 
 import yaml
 
-from vtrain.ds_json import check_structure
+from vtrain import recompute
+from vtrain.config_values import coerce, read_yaml
+from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
 from vtrain.errors import ConfigError
+from vtrain.files import cache_root, directory_problem
+from vtrain.presets import presets_for
 
 TASKS = ("metric", "dino")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
@@ -31,6 +32,11 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # engine/compile.py
 NECK_NORMS = ("bn", "ln", "none")
 MAX_QUERIES, MAX_DN_QUERIES = 5000, 2000
 MIN_DETECTION_SIZE = 64  # the coarsest DINO level has stride 64 (presets.py): smaller inputs leave it empty
+DEMO_DATA = "demo"  # --data demo: the task's built-in data set (data/demo.py)
+# PIL's own decompression-bomb limit (PIL.Image.MAX_IMAGE_PIXELS, 1024^3 / 4 / 3: a 1 GB RGB image at 32 bits per
+# pixel); torchvision's decoders have none, so vtrain applies it to every image it decodes (docs/input_limits.md)
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+MAX_IMAGE_PIXELS_CEILING = 1 << 32  # 12 GiB as uint8 RGB; libjpeg's 65500 x 65500 is 4.29e9 pixels
 
 
 def _check(cond: bool, flag: str, msg: str) -> None:
@@ -40,24 +46,15 @@ def _check(cond: bool, flag: str, msg: str) -> None:
         raise ConfigError(f"{flag} ({key}): {msg}" if key else f"{flag}: {msg}")
 
 
-def directory_problem(path: str | Path) -> str | None:
-    """Why `path` cannot be (or become) a directory: it, or the nearest part of it that exists, is a file."""
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    if p.exists() and not p.is_dir():
-        return f"{p} is a file, not a directory" + (f" (in {path})" if p != Path(path) else "")
-    return None
-
-
 # flags whose name is not the field name with dashes
 _FLAG_RENAMES = {"preset": "--model", "path": "--data", "val_path": "--val-data", "pairs_file": "--pairs"}
 # fields set only in a --config file (no flag): their errors name the key alone, never a flag that does not exist
 CONFIG_ONLY = frozenset({"max_impostor_pairs", "betas", "min_lr_ratio", "milestones", "gamma", "fsdp_offload",
-                         "fsdp_reshard_after_forward", "compile_backend"})
+                         "fsdp_reshard_after_forward", "ffn_recompute", "compile_backend"})
 
 
 def flag_of(name: str) -> str:
+    """The `vtrain train` flag of a config field: its name with dashes, or its rename (`path` is --data)."""
     return _FLAG_RENAMES.get(name, "--" + name.replace("_", "-"))
 
 
@@ -67,8 +64,7 @@ def _where(section: str, name: str) -> str:
 
 
 def _flag_keys() -> dict[str, str]:
-    return {flag_of(f.name): f"{section}.{f.name}" for section, cls in _SECTION_CLASSES.items() for f in fields(cls)
-            if f.name not in CONFIG_ONLY}
+    return {flag_of(name): f"{section}.{name}" for section, names in FLAG_SECTIONS.items() for name in names}
 
 
 @dataclass
@@ -95,7 +91,11 @@ class ModelConfig:
     step (Partial FC); 1.0 is the full softmax. Below 1 it needs sharded (the replicated head has no sampling)."""
     drop_path: float | None = None
     grad_ckpt: list[str] = field(default_factory=list)
-    """Parts to checkpoint (activation recomputation), e.g. ["backbone"]."""
+    """Activation checkpointing: recompute units as `--grad-ckpt` items (vtrain/recompute.py, docs/recompute.md),
+    e.g. ["backbone"], ["backbone:stage0-1", "encoder:0-3", "sac:decoder"]; a comma string is read as one value."""
+    ffn_recompute: bool = True
+    """DINO: the encoder FFNs make their 2048-wide ReLU output again in backward instead of keeping it: 4.1 GiB less
+    for Swin-L at 800x1333, batch 2, for one more fc1 matmul per layer (+18% forward FLOPs); docs/recompute.md."""
 
     num_queries: int | None = None
     """DINO matching queries (default: the preset's, 900 in the recipe)."""
@@ -122,8 +122,13 @@ class ModelConfig:
         _check(self.sample_rate == 1.0 or self.head_parallel == "sharded", "--sample-rate",
                f"{self.sample_rate} < 1 needs --head-parallel sharded (negative sampling lives in the sharded head)")
         _check(self.drop_path is None or 0.0 <= self.drop_path < 1.0, "--drop-path", "must be in [0, 1)")
-        if isinstance(self.grad_ckpt, str):
-            self.grad_ckpt = [p for p in self.grad_ckpt.split(",") if p]
+        try:
+            spec = recompute.parse(self.grad_ckpt)
+        except recompute.SpecError as e:
+            _check(False, "--grad-ckpt", f"{e}; forms: {recompute.FORMS}")
+        _check(not spec.auto, "--grad-ckpt", "auto needs the memory planner (--memory-budget), which this version "
+               f"does not have yet; name the units instead, forms: {recompute.FORMS}")
+        self.grad_ckpt = spec.canonical()
         if self.pretrained is not None:
             _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
         # upper bounds: the denoising attention mask and the matcher grow with the square of the query count
@@ -164,19 +169,20 @@ class DataConfig:
     """Detection: longest image side after resizing (default: image_size * 1333 / 800)."""
     skip_bad_images: bool = False
     """Skip unreadable image files (counted and named in the log at the end of each epoch) instead of stopping."""
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """Largest image (width x height x frames) decoded; a larger one is refused before decoding, read from its
+    header (or skipped with --skip-bad-images). Default: PIL's decompression-bomb limit, 89478485 pixels."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.num_workers <= 256, "--num-workers", f"must be in 0..256, got {self.num_workers}")
         if self.path.startswith("hf:"):  # a Hugging Face datasets folder or parquet file(s) (data/hf.py)
             _check(Path(self.path[3:]).exists() or bool(glob.glob(self.path[3:])), "--data",
                    f"no such Hugging Face datasets folder or parquet file: {self.path[3:]}")
-        elif self.path != "demo":
+        elif self.path != DEMO_DATA:
             p = Path(self.path)
             _check(p.is_dir() or (p.is_file() and p.suffix == ".bin"), "--data",
                    f"not a directory (or a verification .bin pack): {self.path}")
         else:  # the demo data is written to the cache: a bad VTRAIN_CACHE is reported now, not after start-up
-            from vtrain.data.cache import cache_root
-
             cache_root()
         if self.val_targets is not None:  # `lfw, agedb_30` from a flag or YAML; also built directly by `vtrain eval`
             items = self.val_targets.split(",") if isinstance(self.val_targets, str) else self.val_targets
@@ -192,6 +198,8 @@ class DataConfig:
         for flag, value in (("--train-images", self.train_images), ("--val-images", self.val_images)):
             if value is not None:
                 _check(Path(value).is_dir(), flag, f"not a directory: {value}")
+        _check(1 <= self.max_image_pixels <= MAX_IMAGE_PIXELS_CEILING, "--max-image-pixels",
+               f"must be in 1..{MAX_IMAGE_PIXELS_CEILING} pixels, got {self.max_image_pixels}")
         _check(self.max_size is None or MIN_DETECTION_SIZE <= self.max_size <= 16384, "--max-size",
                f"must be in {MIN_DETECTION_SIZE}..16384 (the coarsest DINO feature stride is 64), got {self.max_size}")
 
@@ -251,10 +259,7 @@ class ParallelConfig:
         if self.ds_config is not None:
             p = Path(self.ds_config)
             _check(p.is_file(), "--ds-config", f"file not found: {self.ds_config}")
-            try:
-                raw = json.loads(p.read_text())
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"--ds-config: {self.ds_config} is not valid JSON ({e})") from None
+            raw = read_json(self.ds_config, DS_CONFIG_UNREADABLE)
             # the JSON's own structure is checked now (a pure function of the file, no DeepSpeed import), so a
             # typo there is one line before start-up; the values vtrain owns are filled in at launch (plan.py)
             check_structure(raw, self.ds_config)
@@ -297,8 +302,8 @@ class TrainConfig:
     """Also send every logged number and evaluation metric to tensorboard (<output-dir>/tensorboard) or wandb."""
     compile: bool = False
     """Regional torch.compile: each backbone block and each DINO encoder/decoder layer compiled on its own, the rest
-    eager; a new image size recompiles those small graphs once (then with a dynamic size), never the whole model
-    (docs/compile.md). Checkpoints keep the eager model's keys."""
+    eager, so a new image size recompiles a few small graphs at most, never the whole model (DINO's sizes are
+    symbolic from the first compile). Checkpoints keep the eager model's keys (docs/compile.md)."""
     compile_backend: str = "inductor"
     """torch.compile backend for --compile: inductor (generated kernels), aot_eager (traced and split into forward
     and backward, no code generation: to tell a compiler problem from a tracing one), eager (tracing only)."""
@@ -347,8 +352,6 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        from vtrain.presets import presets_for
-
         _check(self.task in TASKS, "--task", f"choose one of {TASKS}")
         names = presets_for(self.task)
         _check(self.model.preset in names, "--model",
@@ -362,6 +365,10 @@ class RunConfig:
             # BatchNorm in training needs two samples per channel (each rank normalises its own micro-batch)
             _check(self.model.neck_norm != "bn" or self.train.batch_size >= 2, "--batch-size",
                    "must be >= 2 with the BatchNorm embedding neck (--neck-norm bn); use --neck-norm ln for 1")
+        try:
+            recompute.check_parts(recompute.parse(self.model.grad_ckpt), self.task)
+        except recompute.SpecError as e:
+            _check(False, "--grad-ckpt", str(e))
         _check(self.task == "metric" or self.model.head_parallel == "none", "--head-parallel",
                "sharded is for --task metric (the margin-softmax head)")
         if self.task == "dino":
@@ -380,6 +387,10 @@ class RunConfig:
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
                     "parallel": ParallelConfig, "train": TrainConfig}
 
+# the fields with a `vtrain train` flag of their own (flag_of names it), per section: all but CONFIG_ONLY
+FLAG_SECTIONS: dict[str, tuple[str, ...]] = {section: tuple(f.name for f in fields(cls) if f.name not in CONFIG_ONLY)
+                                              for section, cls in _SECTION_CLASSES.items()}
+
 # Defaults that differ per task, applied below the YAML file and the flags.
 TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     # insightface ViT recipe uses AdamW lr 1e-3, wd 0.1 (docs/face.md §1.2); our small-batch default keeps lr 1e-3.
@@ -391,22 +402,6 @@ TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
                        "schedule": "step", "gamma": 0.1, "warmup_steps": 0},
              "train": {"batch_size": 2}},
 }
-
-
-def read_yaml(path: str | Path, what: str = "--config") -> dict[str, Any]:
-    """A YAML mapping, read with safe_load (no Python tags); errors are named after `what` (the flag, or the
-    checkpoint the file belongs to)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what}: file not found: {path}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"{what}: {path} is not valid YAML ({first})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what}: {path} must hold a mapping of sections (model, data, optim, parallel, train)")
-    return data
 
 
 def build_config(task: str, file_values: dict[str, Any] | None = None,
@@ -438,59 +433,6 @@ def build_config(task: str, file_values: dict[str, Any] | None = None,
         values = {k: coerce(v, hints[k], _where(name, k)) for k, v in merged[name].items()}
         sections[name] = cls(**values)
     return RunConfig(task=task, **sections)
-
-
-def coerce(value: Any, hint: Any, where: str) -> Any:
-    """`value` as the declared type `hint`, or a ConfigError naming `where`. YAML 1.1 reads `1e-3` (no dot) as a
-    string, so numeric strings are accepted for numbers; a float is an int only when integral; floats must be
-    finite (--lr inf, nan are refused here, for every float field)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        return coerce(value, hint, where)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
-            return value.lower() in ("true", "yes")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if hint is int:
-        number = _number(value, where, "an integer")
-        if not number.is_integer() or abs(number) >= 2**63:
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return int(number)
-    if hint is float:
-        return _number(value, where, "a number")
-    if hint is str:
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return str(value)
-    if origin is list:
-        (item,) = args
-        if item is str and isinstance(value, str):
-            value = [p for p in value.split(",") if p]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [coerce(v, item, where) for v in value]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{where}: expected {len(args)} values, got {value!r}")
-        return tuple(coerce(v, a, where) for v, a in zip(value, args))
-    raise TypeError(f"unsupported config type {hint!r}")  # a programming error, not a user one
-
-
-def _number(value: Any, where: str, kind: str) -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected {kind}, got {value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected {kind}, got {value!r}") from None
-    if not math.isfinite(number):
-        raise ConfigError(f"{where}: must be finite, got {value!r}")
-    return number
 
 
 def load_run_config(path: str | Path) -> RunConfig:

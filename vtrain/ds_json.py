@@ -1,16 +1,77 @@
-"""The structure of a user's DeepSpeed JSON, checked without DeepSpeed: what config validation needs before
-start-up. Filling the values vtrain owns into it is the engine's job (engine/ds_config.py), at launch."""
+"""A user's DeepSpeed JSON, read and understood without DeepSpeed, in one place: reading the file, checking its
+structure (what config validation needs before start-up) and what its ZeRO and precision sections say (for the
+launch plan and for `estimate-memory`). Filling the values vtrain owns into it is the engine's job
+(engine/ds_config.py), at launch."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vtrain.errors import ConfigError
+
+DEEPSPEED_BUCKET = 5e8  # DeepSpeed's own reduce/allgather bucket default, in elements (docs/memory_ckpt.md §2.2)
+DS_CONFIG_UNREADABLE = "--ds-config: {path} is not valid JSON ({error})"  # read_json's message for --ds-config
+
+
+def read_json(path: str, message: str) -> Any:
+    """The JSON value in `path`. A file that cannot be read or is not JSON is a ConfigError: `message` with
+    {path} and {error} filled in (each caller names its own source: --ds-config, an accelerate config)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(message.format(path=path, error=e)) from None
 
 
 def enabled(section: Any) -> Any:
     """A precision section's `enabled` value: true, false or "auto" (also for an absent section)."""
     return section.get("enabled", "auto") if isinstance(section, dict) else "auto"
+
+
+def explicit_16bit(raw: dict[str, Any]) -> list[str]:
+    """The precision sections the JSON explicitly enables (bf16, fp16): DeepSpeed's own 16-bit parameter mode."""
+    return [name for name in ("bf16", "fp16") if enabled(raw.get(name)) is True]
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """What a JSON's zero_optimization section asks for, with DeepSpeed's defaults for what it leaves out."""
+
+    stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    overlap_comm: bool
+    """DeepSpeed turns it on by default at stage 3 only."""
+
+
+def _zero(raw: dict[str, Any]) -> dict[str, Any]:
+    return raw.get("zero_optimization", {}) or {}
+
+
+def zero_settings(raw: dict[str, Any]) -> ZeroSettings:
+    """The ZeRO stage, offloading and communication overlap of a DeepSpeed JSON."""
+    zero = _zero(raw)
+    stage = int(zero.get("stage", 0))
+
+    def offloaded(key: str) -> bool:
+        return (zero.get(key) or {}).get("device", "none") != "none"
+
+    return ZeroSettings(stage, offloaded("offload_optimizer"), offloaded("offload_param"),
+                        bool(zero.get("overlap_comm", stage == 3)))
+
+
+def bucket_sizes(raw: dict[str, Any]) -> tuple[float, float]:
+    """reduce_bucket_size and allgather_bucket_size in elements ("auto" or absent: DeepSpeed's default); read for
+    `estimate-memory`, while a training run hands them to DeepSpeed untouched."""
+    zero = _zero(raw)
+
+    def bucket(key: str) -> float:
+        value = zero.get(key, DEEPSPEED_BUCKET)
+        return DEEPSPEED_BUCKET if value == "auto" else float(value)
+
+    return bucket("reduce_bucket_size"), bucket("allgather_bucket_size")
 
 
 def check_structure(raw: Any, source: str) -> None:
@@ -31,7 +92,7 @@ def check_structure(raw: Any, source: str) -> None:
             fail(f'{key} must be an object like {{"enabled": true}}, got {section!r}')
         if isinstance(section, dict) and section.get("enabled", "auto") not in (True, False, "auto"):
             fail(f"{key}.enabled must be true, false or \"auto\", got {section['enabled']!r}")
-    if enabled(raw.get("bf16")) is True and enabled(raw.get("fp16")) is True:
+    if len(explicit_16bit(raw)) == 2:
         fail("bf16 and fp16 cannot both be enabled")
     zero = raw.get("zero_optimization", {})
     if not isinstance(zero, dict):

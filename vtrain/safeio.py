@@ -137,7 +137,7 @@ def restricted_load(path: str | Path, allowed: dict[tuple[str, str], object], da
     try:
         raw = path.read_bytes() if data is None else data
         return _Restricted(io.BytesIO(raw), allowed, path, encoding).load()
-    except UnsafeFileError:
+    except VtrainError:  # a refused global, or a user-facing error raised by one of the `allowed` callables
         raise
     except Exception as e:  # truncated or not a pickle at all
         raise VtrainError(f"cannot read {path}: {type(e).__name__}: {e}") from None

@@ -5,12 +5,16 @@ child starts from that freshly imported state (nothing of vtrain has run yet, no
 the interpreter would (atexit handlers, then the exit code). Used by tests that run dozens of short commands.
 
 Protocol, one JSON object per line each way: {"start": {"args", "env", "cwd", "stdout", "stderr"}} -> {"pid"} (the
-child runs on; a test may signal it), {"wait": pid} -> {"rc"} (as subprocess reports it: -N for a signal).
+child runs on; a test may signal it), {"wait": pid} -> {"rc", "maxrss_kb"} (the exit status as subprocess reports
+it: -N for a signal; the child's peak resident memory, which includes this server's pages it started with). An
+optional "data_limit_mb" in "start" caps the child's data segment (RLIMIT_DATA) at that much above what it
+inherited, so a command that would allocate gigabytes fails fast instead of exhausting a shared machine.
 """
 
 import atexit
 import json
 import os
+import resource
 import sys
 import traceback
 
@@ -20,7 +24,16 @@ import vtrain.engine.trainer  # noqa: F401
 import vtrain.tools.evaluate  # noqa: F401
 
 
+def _limit_data(extra_mb: int) -> None:
+    with open("/proc/self/status") as f:
+        data_kb = next(int(line.split()[1]) for line in f if line.startswith("VmData:"))
+    limit = (data_kb + extra_mb * 1024) * 1024
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
 def _child(case: dict) -> int:
+    if case.get("data_limit_mb"):
+        _limit_data(case["data_limit_mb"])
     os.chdir(case["cwd"])
     os.environ.clear()
     os.environ.update(case["env"])
@@ -61,8 +74,8 @@ def serve() -> None:
         if "start" in req:
             reply = {"pid": _start(req["start"])}
         else:
-            _, status = os.waitpid(req["wait"], 0)
-            reply = {"rc": os.waitstatus_to_exitcode(status)}
+            _, status, usage = os.wait4(req["wait"], 0)
+            reply = {"rc": os.waitstatus_to_exitcode(status), "maxrss_kb": usage.ru_maxrss}
         print(json.dumps(reply), flush=True)
 
 

@@ -1,4 +1,4 @@
-"""The data cache (VTRAIN_CACHE, default ~/.cache/vtrain) and atomic, race-safe creation of generated data."""
+"""Atomic, race-safe creation of generated data in the data cache (vtrain/files.py: `cache_root`)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from vtrain.config import directory_problem
 from vtrain.errors import VtrainError
-
-
-def cache_root() -> Path:
-    root = Path(os.environ.get("VTRAIN_CACHE", Path.home() / ".cache" / "vtrain"))
-    problem = directory_problem(root)
-    if problem is not None:
-        raise VtrainError(f"VTRAIN_CACHE: {problem}")
-    return root
+from vtrain.files import cache_root
 
 
 def cached_dir(name: str, write: Callable[[Path], None]) -> Path:
@@ -30,7 +22,11 @@ def cached_dir(name: str, write: Callable[[Path], None]) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise VtrainError(f"VTRAIN_CACHE: cannot create {target.parent} ({e.strerror})") from None
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}_", dir=target.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}_", dir=target.parent))
+    except OSError as e:  # read-only, full, or not ours: nothing was created
+        raise VtrainError(f"VTRAIN_CACHE: cannot create a folder in {target.parent} to write {name} into "
+                          f"({e.strerror})") from None
     try:
         write(tmp)
         (tmp / "DONE").write_text("ok\n")
@@ -39,6 +35,9 @@ def cached_dir(name: str, write: Callable[[Path], None]) -> Path:
         except OSError:  # another process finished first
             if not (target / "DONE").is_file():
                 raise
+    except OSError as e:  # a full disk while writing, say; the half-written folder goes (finally, below)
+        raise VtrainError(f"VTRAIN_CACHE: cannot write {name} into {target.parent} "
+                          f"({e.strerror or e}{': ' + str(e.filename) if e.filename else ''})") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from vtrain.errors import BadSample, VtrainError
+from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
+from vtrain.data.images import decode_rgb
+from vtrain.errors import VtrainError
 
 MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics (MMD preprocessor 123.675/116.28/103.53, 58.395/57.12/57.375)
 STD = (0.229, 0.224, 0.225)
@@ -133,9 +134,12 @@ class CocoDetection(Dataset):
     """Images of a COCO annotation file with training targets: labels (contiguous, sorted category ids) and
     boxes (cxcywh normalised to the transformed image)."""
 
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """Largest image decoded (--max-image-pixels); larger ones are refused from their header."""
+
     def __init__(self, ann_file: str | Path, image_dir: str | Path, size: int, max_size: int, train: bool,
-                 seed: int = 0) -> None:
-        self.ann_file, self.image_dir = Path(ann_file), Path(image_dir)
+                 seed: int = 0, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        self.ann_file, self.image_dir, self.max_pixels = Path(ann_file), Path(image_dir), max_pixels
         self.coco = load_coco(self.ann_file)
         self.ids = sorted(self.coco.imgs)
         if not self.ids:
@@ -215,12 +219,7 @@ class CocoDetection(Dataset):
         return len(self.ids)
 
     def read(self, idx: int) -> torch.Tensor:
-        path = self.image_dir / self.coco.imgs[self.ids[idx]]["file_name"]
-        try:
-            return decode_image(str(path), mode=ImageReadMode.RGB)
-        except Exception as e:
-            raise BadSample(f"cannot decode image {path}: {' '.join(str(e).split())[:200]} "
-                            "(--skip-bad-images skips unreadable files)") from None
+        return decode_rgb(self.image_dir / self.coco.imgs[self.ids[idx]]["file_name"], max_pixels=self.max_pixels)
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, torch.Tensor]:
         # The sampler passes (epoch, index): the augmentation is seeded by both (in a forked RNG, so the

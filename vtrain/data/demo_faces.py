@@ -8,14 +8,18 @@ provides (train/ and val/ with disjoint identities), so the real loading code is
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from vtrain.data.cache import cached_dir
+from vtrain.data.faces import FaceFolder
+from vtrain.data.recordio import write_face_rec
+from vtrain.data.verification_bin import write_bin
 
 VERSION = 1
 TRAIN_IDS, TRAIN_PER_ID = 200, 12
@@ -86,8 +90,12 @@ def _write_identity(args: tuple[Path, int, int, int]) -> None:
 def write_identity_tree(root: Path, first_id: int, num_ids: int, per_id: int, seed: int = 0) -> Path:
     """Write `num_ids` synthetic identities (ids first_id..) as root/id_XXXXX/NNN.jpg; used by tests too."""
     jobs = [(Path(root) / f"id_{i:05d}", i, per_id, seed) for i in range(first_id, first_id + num_ids)]
-    with multiprocessing.get_context("fork").Pool(min(4, os.cpu_count() or 1)) as pool:
-        pool.map(_write_identity, jobs)
+    # threads, never forked processes: this runs inside `vtrain train`, where the output-dir lock's heartbeat
+    # thread already runs, and a forked child can block forever on a lock another thread held at the fork
+    # (issue 18 §5; docs/input_limits.md §5). PIL's drawing, filters and JPEG encoder and numpy release the GIL
+    # for most of the work; every identity has its own seeded generator, so the output does not depend on order.
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="vtrain-demo-faces") as pool:
+        list(pool.map(_write_identity, jobs))  # list(): an exception in any job is raised here
     return Path(root)
 
 
@@ -131,12 +139,6 @@ def ensure_demo_faces_rec(seed: int = 0) -> Path:
     (train.rec, train.idx, property; the same JPEG bytes in FaceFolder's order, so training from it matches
     training from the folders), `heldout.bin`, a verification pack of pairs over the held-out identities, and
     the held-out identity folders (val/) for the sampled-pairs TAR@FAR. Generated once into the cache."""
-    import shutil
-
-    from vtrain.data.faces import FaceFolder
-    from vtrain.data.recordio import write_face_rec
-    from vtrain.data.verification_bin import write_bin
-
     src = ensure_demo_faces(seed)
 
     def write(tmp: Path) -> None:

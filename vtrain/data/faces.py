@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as TF
 
-from vtrain.config import DataConfig
-from vtrain.data.demo_faces import ensure_demo_faces_rec
+from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, DataConfig
+from vtrain.data.images import decode_rgb  # noqa: F401  (the face sets' decoder; also imported from here)
+from vtrain.data.labels import check_labels
 from vtrain.errors import BadSample, VtrainError
 
 
@@ -31,10 +31,11 @@ class FaceData:
     """Verification packs to evaluate on: (name, .bin path)."""
 
 
-def resolve_face_data(cfg: DataConfig) -> FaceData:
+def resolve_face_data(cfg: DataConfig, root: Path | None = None) -> FaceData:
     """Map --data to its layout (recognised by its files), train data, held-out identities / pairs file and the
-    `.bin` packs of --val-targets (default: every *.bin beside a train.rec, as insightface's rec dirs ship them)."""
-    root = ensure_demo_faces_rec() if cfg.path == "demo" else Path(cfg.path)
+    `.bin` packs of --val-targets (default: every *.bin beside a train.rec, as insightface's rec dirs ship them).
+    `root`: where --data points, `demo` already turned into its directory (data/demo.py); default: --data."""
+    root = Path(cfg.path) if root is None else root
     val = Path(cfg.val_path) if cfg.val_path else None
     pairs = Path(cfg.pairs_file) if cfg.pairs_file else None
     if root.is_file():  # a verification pack on its own
@@ -74,26 +75,11 @@ def to_model_input(img: torch.Tensor, size: int) -> torch.Tensor:
     return img.float().div_(127.5).sub_(1.0)
 
 
-def decode_rgb(data: str | Path | bytes | tuple[str, bytes], what: str | None = None) -> torch.Tensor:
-    """Decode a file, encoded bytes (JPEG, PNG, ...) or (name, encoded bytes), e.g. a row of a Hugging Face
-    datasets `Image` column (data/hf.py), to uint8 RGB CHW; `what` names it in the error (default: the file or
-    the name)."""
-    if isinstance(data, tuple):
-        name, data = data
-        what = what or name
-    what = what or str(data)
-    try:
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            data = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a writable copy: frombuffer shares memory
-        return decode_image(data if isinstance(data, torch.Tensor) else str(data), mode=ImageReadMode.RGB)
-    except Exception as e:
-        raise BadSample(f"cannot decode image {what}: {' '.join(str(e).split())[:200]} "
-                        "(--skip-bad-images skips unreadable files)") from None
-
-
-def load_image(path: str | Path | tuple[str, bytes], size: int) -> torch.Tensor:
-    """Decode to a float CHW tensor in [-1, 1] (insightface normalisation), resized to size x size."""
-    return to_model_input(decode_rgb(path), size)
+def load_image(path: str | Path | tuple[str, bytes], size: int,
+               max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> torch.Tensor:
+    """Decode (refusing more than `max_pixels`) to a float CHW tensor in [-1, 1] (insightface normalisation),
+    resized to size x size."""
+    return to_model_input(decode_rgb(path, max_pixels=max_pixels), size)
 
 
 class FaceSamples(Dataset):
@@ -103,6 +89,10 @@ class FaceSamples(Dataset):
     image_size: int
     train: bool
     seed: int
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """Largest image decoded (--max-image-pixels); larger ones are refused from their header."""
+    num_classes_source: str = ""
+    """Where the class count comes from (a file, the identity folders, a column), for errors about it."""
 
     def _read(self, idx: int) -> tuple[torch.Tensor, int]:
         raise NotImplementedError
@@ -124,15 +114,19 @@ class FaceFolder(FaceSamples):
     """root/<identity>/<image>; labels are the sorted identity folder indices."""
 
     def __init__(self, root: str | Path, image_size: int, train: bool = True, seed: int = 0,
-                 skip_bad: bool = False) -> None:
+                 skip_bad: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         self.root, self.image_size, self.train, self.seed = Path(root), image_size, train, seed
+        self.max_pixels = max_pixels
         self.classes, self.samples, self.empty_files = scan_identity_tree(self.root)
         if self.empty_files and not skip_bad:
             raise BadSample(f"--data: {len(self.empty_files)} empty image files under {self.root}, e.g. "
-                            f"{self.empty_files[0]} (--skip-bad-images leaves them out)")
+                            f"{self.empty_files[0]}")
         if len(self.classes) < 2:
             raise VtrainError(f"--data: need at least 2 identity folders with images under {self.root}")
-        self.targets = [t for _, t in self.samples]
+        self.num_classes_source = f"the identity folders of {self.root}"
+        # folder indices are class ids by construction; checked like every other source's labels all the same
+        self.targets = check_labels([t for _, t in self.samples], len(self.classes), str(self.root),
+                                    lambda i: str(self.samples[i][0])).tolist()
 
     @property
     def num_classes(self) -> int:
@@ -143,7 +137,7 @@ class FaceFolder(FaceSamples):
 
     def _read(self, idx: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[idx]
-        return decode_rgb(path), label
+        return decode_rgb(path, max_pixels=self.max_pixels), label
 
 
 def scan_identity_tree(root: Path) -> tuple[list[str], list[tuple[str, int]], list[str]]:

@@ -17,7 +17,6 @@ Splits: `train` for training; evaluation uses `validation` (or `valid`, `val`), 
 from __future__ import annotations
 
 import glob
-import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,9 +24,12 @@ from typing import Any
 
 import torch
 
+from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
 from vtrain.data.coco import CocoDetection, coco_from_dict
-from vtrain.data.faces import FaceFolder, decode_rgb
-from vtrain.errors import VtrainError
+from vtrain.data.faces import FaceFolder
+from vtrain.data.images import decode_rgb, image_size
+from vtrain.data.labels import check_labels
+from vtrain.errors import BadSample, VtrainError
 
 PREFIX = "hf:"
 EVAL_SPLITS = ("validation", "valid", "val", "test")
@@ -82,11 +84,14 @@ class HfSplits:
     def where(self, split: str) -> str:
         return f"{self.spec}[{split}]"
 
-    def faces(self, split: str, image_size: int, train: bool, seed: int = 0) -> HfFaces:
-        return HfFaces(self.split(split), self.where(split), image_size, train, seed)
+    def faces(self, split: str, image_size: int, train: bool, seed: int = 0,
+              max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> HfFaces:
+        return HfFaces(self.split(split), self.where(split), image_size, train, seed, max_pixels)
 
-    def detection(self, split: str, size: int, max_size: int, train: bool, seed: int = 0) -> HfDetection:
-        return HfDetection(self.split(split), self.where(split), self._categories(), size, max_size, train, seed)
+    def detection(self, split: str, size: int, max_size: int, train: bool, seed: int = 0,
+                  max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> HfDetection:
+        return HfDetection(self.split(split), self.where(split), self._categories(), size, max_size, train, seed,
+                           max_pixels)
 
     def _categories(self) -> list[dict[str, Any]]:
         """COCO categories shared by every split: a ClassLabel's names (id = class index), else the union of the
@@ -125,11 +130,12 @@ class ImageColumn(Sequence):
         if not 0 <= i < len(self.ds):
             raise IndexError(i)
         cell = self.ds[int(i)]["image"]
-        if cell.get("bytes") is not None:
+        if cell is not None and cell.get("bytes") is not None:
             return f"{self.where} row {i}", cell["bytes"]
-        if cell.get("path"):
+        if cell is not None and cell.get("path"):
             return cell["path"]
-        raise VtrainError(f"--data {self.where}: row {i} has no image")
+        # an empty cell (None) is a sample without an image: BadSample, which --skip-bad-images skips
+        raise BadSample(f"--data {self.where}: row {i} has no image (empty cell)")
 
 
 class _Samples(Sequence):
@@ -149,23 +155,28 @@ class HfFaces(FaceFolder):
     """`image` + `label` rows as FaceFolder samples: the same decoding, resize, [-1, 1] scaling and
     (epoch, index)-seeded flip (FaceFolder.__getitem__)."""
 
-    def __init__(self, ds, where: str, image_size: int, train: bool = True, seed: int = 0) -> None:
+    def __init__(self, ds, where: str, image_size: int, train: bool = True, seed: int = 0,
+                 max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         check_columns(ds, where, "image", "label")
         self.root, self.image_size, self.train, self.seed = where, image_size, train, seed
+        self.max_pixels = max_pixels
         feat = ds.features["label"]
         values = list(ds["label"])
-        if hasattr(feat, "names"):  # ClassLabel: its index is the label
+        source = f"--data {where}: column 'label'"
+        if hasattr(feat, "names"):  # ClassLabel: its index is the label (-1 marks an unlabelled row)
             self.classes = list(feat.names)
-            labels = [int(v) for v in values]
-        else:
-            try:
+            self.num_classes_source = f"the {len(self.classes)} names of its ClassLabel"
+            labels = check_labels(values, len(self.classes), source, count_from=self.num_classes_source).tolist()
+        else:  # identity ids or names, numbered in sorted order
+            if all(isinstance(v, str) for v in values):
                 names = sorted(set(values))
-            except TypeError:  # None or mixed types
-                raise VtrainError(f"--data {where}: column 'label' must hold ints or strings (no empty values)") \
-                    from None
+            else:  # ids: whole numbers >= 0 (checked as labels of an unbounded class count; -1 is "no label")
+                names = sorted(set(check_labels(values, 2**63 - 1, source).tolist()))
+                values = [int(v) for v in values]
             pos = {c: i for i, c in enumerate(names)}
             labels = [pos[v] for v in values]
             self.classes = [str(c) for c in names]
+            self.num_classes_source = f"the distinct values of {source}"
         if len(self.classes) < 2:
             raise VtrainError(f"--data {where}: need at least 2 identities (labels), found {len(self.classes)}")
         self.samples = _Samples(ImageColumn(ds, where), labels)
@@ -196,9 +207,9 @@ class HfDetection(CocoDetection):
     aspect-ratio groups, and a COCO ground truth for COCOeval."""
 
     def __init__(self, ds, where: str, categories: list[dict[str, Any]], size: int, max_size: int, train: bool,
-                 seed: int = 0) -> None:
+                 seed: int = 0, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         check_columns(ds, where, "image", "objects")
-        self.ann_file, self.image_dir = where, None
+        self.ann_file, self.image_dir, self.max_pixels = where, None, max_pixels
         self.images = ImageColumn(ds, where)
         cols = [c for c in ("image_id", "width", "height") if c in ds.features]
         table = ds.select_columns(["objects", *cols]).to_dict()
@@ -211,7 +222,7 @@ class HfDetection(CocoDetection):
             if "width" in table and "height" in table:
                 w, h = int(table["width"][row]), int(table["height"][row])
             else:  # read the size from the encoded header only
-                w, h = _image_size(self.images[row])
+                w, h = image_size(self.images[row])
             images.append({"id": image_id, "width": w, "height": h, "file_name": f"row {row}"})
             for bbox, cat, area, crowd in _objects(table["objects"][row]):
                 try:
@@ -230,14 +241,4 @@ class HfDetection(CocoDetection):
         self._index(size, max_size, train, seed)
 
     def read(self, idx: int) -> torch.Tensor:
-        return decode_rgb(self.images[self.rows[self.ids[idx]]])
-
-
-def _image_size(src: tuple[str, bytes] | str) -> tuple[int, int]:
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(src[1]) if isinstance(src, tuple) else src) as im:
-            return im.size
-    except (OSError, UnidentifiedImageError) as e:
-        raise VtrainError(f"cannot read image {src[0] if isinstance(src, tuple) else src}: {e}") from None
+        return decode_rgb(self.images[self.rows[self.ids[idx]]], max_pixels=self.max_pixels)

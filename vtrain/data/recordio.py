@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
 from vtrain.data.faces import FaceSamples, decode_rgb
+from vtrain.data.labels import check_labels
 from vtrain.errors import VtrainError
 
 MAGIC = 0xCED7230A
@@ -176,7 +178,9 @@ class RecordReader:
             cflag, length = lrec >> _LENGTH_BITS, lrec & (_MAX_RECORD - 1)
             if cflag > 3 or (cflag in (0, 1)) != (not parts):
                 raise VtrainError(f"{where}: corrupt part flag {cflag} at byte {pos}")
-            data = os.pread(fd, length, pos + 8)
+            # os.pread allocates the length asked for before reading: a length field is checked against the
+            # file's real size first, so a record cannot make us allocate what the file does not hold
+            data = os.pread(fd, length, pos + 8) if pos + 8 + length <= self.size else b""
             if len(data) < length:
                 raise VtrainError(f"{where}: truncated, needs {length} bytes at byte {pos + 8} but the file has "
                                   f"{self.size}")
@@ -217,21 +221,24 @@ def _read_idx(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---- the insightface face set ------------------------------------------------------------------------------------
-def class_id(label: float | np.ndarray, what: str) -> int:
+def class_id(label: float | np.ndarray, what: str, num_classes: int = MAX_EXACT_LABEL, count_from: str = "") -> int:
     """The class id of an image record: the float label, or the first of a multi-label array (insightface
-    MXFaceDataset). Float32 holds integers exactly only up to 2^24, so larger ids cannot be trusted."""
+    MXFaceDataset), checked by data/labels.py against `num_classes`. Float32 holds integers exactly only up to 2^24,
+    so larger ids cannot be trusted whatever the class count."""
     value = float(label if np.ndim(label) == 0 else (label[0] if len(label) else np.nan))
-    if not (np.isfinite(value) and value == int(value) and 0 <= value < MAX_EXACT_LABEL):
-        raise VtrainError(f"{what}: label {value!r} is not a class id (a whole number in [0, 2^24); float32 "
-                          "labels cannot hold larger ids exactly)")
-    return int(value)
+    source, _, record = what.rpartition(": ")
+    limit = min(num_classes, MAX_EXACT_LABEL)
+    note = count_from if limit == num_classes else "float32 labels hold whole numbers exactly only below 2^24"
+    return int(check_labels(np.array([value]), limit, source or what, lambda _: record, note)[0])
 
 
 class RecordFaces(FaceSamples):
     """An insightface RecordIO face set read by key through train.idx; same samples contract as FaceFolder."""
 
-    def __init__(self, root: str | Path, image_size: int, train: bool = True, seed: int = 0) -> None:
+    def __init__(self, root: str | Path, image_size: int, train: bool = True, seed: int = 0,
+                 max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         self.root, self.image_size, self.train, self.seed = Path(root), image_size, train, seed
+        self.max_pixels = max_pixels
         self.reader = RecordReader(self.root / "train.rec", self.root / "train.idx")
         self.identities: tuple[int, int] | None = None
         header = None
@@ -246,6 +253,14 @@ class RecordFaces(FaceSamples):
             if not 1 <= first <= end:
                 raise VtrainError(f"{self.reader.rec_path}: header record 0 has an invalid image/identity range "
                                   f"{header.label.tolist()}")
+            # declared counts (images 1..first-1, one identity record per class) against the records the .idx
+            # really lists, before an array of declared length is made (identity records may be absent: training
+            # reads only the images, and a `property` file can give the class count)
+            n = len(self.reader.keys)
+            if first - 1 > n or end - first > n:
+                raise VtrainError(f"{self.reader.rec_path}: header record 0 declares {first - 1} images and "
+                                  f"{end - first} identities, but {self.reader.idx_path} lists only {n} records; "
+                                  "the header is damaged or the .idx is not this .rec's")
             self.keys = np.arange(1, first, dtype=np.int64)
             self.identities = (first, end)
         else:
@@ -259,13 +274,22 @@ class RecordFaces(FaceSamples):
     def _num_classes(self) -> int:
         prop = self.root / "property"
         if prop.is_file():
-            text = prop.read_text()
+            text = prop.read_text(errors="replace")[:200]  # three numbers; a huge file is not a property file
             head = text.strip().split(",")[0]
             if not head.isdigit() or int(head) < 1:
                 raise VtrainError(f"{prop}: expected 'num_classes,height,width', got {text[:60]!r}")
+            # a declared count, checked before any head is sized by it: float32 labels cannot address more
+            # classes exactly (the memory the head would need is checked where the head is planned, tasks/metric)
+            if int(head) > MAX_EXACT_LABEL:
+                raise VtrainError(f"{prop}: {int(head)} classes is more than RecordIO's float32 labels can address "
+                                  f"(whole numbers are exact only below 2^24 = {MAX_EXACT_LABEL}); the file is "
+                                  "damaged or not this set's")
+            self.num_classes_source = f"from {prop}"
             return int(head)
         if self.identities is not None:  # one identity record per class
+            self.num_classes_source = f"from the identity records of {self.reader.rec_path}"
             return self.identities[1] - self.identities[0]
+        self.num_classes_source = f"from the largest label in {self.reader.rec_path}"
         return max(self._scan_labels()) + 1
 
     def _scan_labels(self) -> list[int]:
@@ -290,14 +314,12 @@ class RecordFaces(FaceSamples):
         return self.reader.read_at(int(self._offsets[idx]), int(self.keys[idx]))
 
     def _check_label(self, idx: int, label: int) -> int:
-        if label >= self.num_classes:
-            raise VtrainError(f"{self._what(idx)}: label {label} >= {self.num_classes} classes "
-                              f"(from {self.root / 'property'} or the identity records)")
-        return label
+        return class_id(float(label), self._what(idx), self.num_classes, self.num_classes_source)
 
     def _read(self, idx: int) -> tuple[torch.Tensor, int]:
         header, image = unpack(self._record(idx), self._what(idx))
-        return decode_rgb(image, self._what(idx)), self._check_label(idx, class_id(header.label, self._what(idx)))
+        label = class_id(header.label, self._what(idx), self.num_classes, self.num_classes_source)
+        return decode_rgb(image, self._what(idx), self.max_pixels), label
 
 
 def write_face_rec(out_dir: str | Path, samples: Sequence[tuple[bytes, float | Sequence[float]]], num_classes: int,

@@ -46,14 +46,15 @@ class SkipBadSamples(Dataset):
                           "is the data set damaged?")
 
 
-def with_bad_list(collate: Callable | None) -> Callable:
-    """Collate wrapper: pops each sample's `bad` list and joins them into the batch's `bad` list."""
-    inner = collate or default_collate
+class CollateWithBadList:
+    """Collate wrapper: pops each sample's `bad` list and joins them into the batch's `bad` list. A class, not a
+    closure: DataLoader workers start without fork (data/workers.py) and receive it pickled."""
 
-    def fn(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    def __init__(self, collate: Callable | None) -> None:
+        self.inner = collate or default_collate
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         bad = [b for s in samples for b in s.pop("bad", [])]
-        batch = inner(samples)
+        batch = self.inner(samples)
         batch["bad"] = bad
         return batch
-
-    return fn

@@ -5,6 +5,11 @@ both. Precision: unless the JSON explicitly enables DeepSpeed's own full-bf16/fp
 DeepSpeed's `torch_autocast` mode (fp32 master weights and buffers, forward under autocast), which trains
 BatchNorm models where plain DeepSpeed bf16 fails ('expected scalar type BFloat16 but found Float';
 docs/cpu_distributed.md, docs/memory_ckpt.md §4).
+
+ZeRO-3's `memory_efficient_linear` defaults to false here (DeepSpeed's default is true): with it on, DeepSpeed
+replaces `F.linear` process-wide by its own function, which adds the bias in place to the matmul output, the very
+tensor selective checkpointing (`--grad-ckpt sac:...`) keeps, so the recomputation adds it twice and the gradients
+are wrong (docs/recompute.md); torch's own linear also keeps a run's numbers independent of `--grad-ckpt`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from vtrain.ds_json import check_structure, enabled
+from vtrain.ds_json import check_structure, enabled, explicit_16bit, zero_settings
 from vtrain.errors import ConfigError
 
 
@@ -21,7 +26,8 @@ def _is_auto(v: Any) -> bool:
 
 
 def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_accum: int, world_size: int,
-                   clip_grad: float, precision: str, precision_explicit: bool) -> tuple[dict[str, Any], dict]:
+                   clip_grad: float, precision: str, precision_explicit: bool,
+                   selective_recompute: bool = False) -> tuple[dict[str, Any], dict]:
     check_structure(raw, source)
     ds = copy.deepcopy(raw)
 
@@ -37,13 +43,14 @@ def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_ac
     own("train_batch_size", batch_size * grad_accum * world_size, "--batch-size x --grad-accum x processes")
     own("gradient_clipping", float(clip_grad), "--clip-grad")
 
-    zero = ds.setdefault("zero_optimization", {})
-    stage = zero.get("stage", 0)
-    off_opt, off_par = ((zero.get(key) or {}).get("device", "none") != "none"
-                        for key in ("offload_optimizer", "offload_param"))
-
-    bf16, fp16 = enabled(ds.get("bf16")), enabled(ds.get("fp16"))
-    explicit = [name for name, v in (("bf16", bf16), ("fp16", fp16)) if v is True]
+    zero_json = ds.setdefault("zero_optimization", {})
+    zero = zero_settings(ds)
+    explicit = explicit_16bit(ds)
+    if zero.stage == 3:
+        if selective_recompute and zero_json.get("memory_efficient_linear") is True:
+            raise ConfigError(f"--ds-config {source}: zero_optimization.memory_efficient_linear=true cannot be "
+                              "combined with selective checkpointing (--grad-ckpt sac:...); set it to false")
+        zero_json.setdefault("memory_efficient_linear", False)
     autocast_cfg = ds.get("torch_autocast", {})
     if explicit:  # the user asked for DeepSpeed's own full low-precision mode: respect it
         mode = explicit[0]
@@ -68,6 +75,6 @@ def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_ac
     for name in ("bf16", "fp16"):
         if mode != name:
             ds[name] = {**(ds.get(name) if isinstance(ds.get(name), dict) else {}), "enabled": False}
-    info = {"stage": stage, "offload_optimizer": off_opt, "offload_params": off_par, "mode": mode,
-            "precision": precision}
+    info = {"stage": zero.stage, "offload_optimizer": zero.offload_optimizer, "offload_params": zero.offload_params,
+            "mode": mode, "precision": precision}
     return ds, info

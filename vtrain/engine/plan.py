@@ -7,15 +7,15 @@ checked against what is really active after `prepare` (see `ParallelEngine.verif
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from vtrain import recompute
 from vtrain.config import RunConfig
+from vtrain.ds_json import DS_CONFIG_UNREADABLE, read_json
 from vtrain.engine.ds_config import fill_ds_config
 from vtrain.errors import ConfigError
 
@@ -62,15 +62,12 @@ class Plan:
 
 
 def _ds_config_source(cfg: RunConfig) -> tuple[dict[str, Any] | None, str | None]:
-    if cfg.parallel.ds_config:
-        return json.loads(Path(cfg.parallel.ds_config).read_text()), cfg.parallel.ds_config
+    if cfg.parallel.ds_config:  # read once before, by config validation
+        return read_json(cfg.parallel.ds_config, DS_CONFIG_UNREADABLE), cfg.parallel.ds_config
     if _env_true("ACCELERATE_USE_DEEPSPEED"):
         path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         if path and path.lower() != "none":
-            try:
-                return json.loads(Path(path).read_text()), path
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"accelerate config deepspeed_config_file {path}: {e}") from None
+            return read_json(path, "accelerate config deepspeed_config_file {path}: {error}"), path
         # accelerate config with inline deepspeed settings
         stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
         zero: dict[str, Any] = {"stage": stage}
@@ -93,7 +90,9 @@ def resolve_plan(cfg: RunConfig) -> Plan:
         filled, info = fill_ds_config(raw, source or "ds config", batch_size=cfg.train.batch_size,
                                       grad_accum=cfg.train.grad_accum, world_size=world,
                                       clip_grad=cfg.optim.clip_grad, precision=precision,
-                                      precision_explicit=cfg.parallel.mixed_precision != "auto")
+                                      precision_explicit=cfg.parallel.mixed_precision != "auto",
+                                      selective_recompute=any(i.mode == "sac" for i in
+                                                              recompute.parse(cfg.model.grad_ckpt).items))
         return Plan("deepspeed", world, info["precision"], ds_config=filled, zero_stage=info["stage"],
                     offload_optimizer=info["offload_optimizer"], offload_params=info["offload_params"],
                     ds_precision_mode=info["mode"])

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vtrain.errors import VtrainError
+from vtrain.models.checkpointing import backbone_units, set_recompute
 from vtrain.models.swin_attention import use_shared_bias_attention
 from vtrain.presets import METRIC_PRESETS
 
@@ -88,8 +89,10 @@ def load_backbone_weights(backbone: nn.Module, sd: dict[str, torch.Tensor]) -> t
 
 
 def set_backbone_checkpointing(backbone: nn.Module, enable: bool = True) -> None:
-    """Per-block activation checkpointing through timm's contract (non-reentrant)."""
-    timm.layers.set_reentrant_ckpt(False)
-    if not hasattr(backbone, "set_grad_checkpointing"):
-        raise VtrainError(f"--grad-ckpt backbone: {type(backbone).__name__} does not support checkpointing")
-    backbone.set_grad_checkpointing(enable)
+    """Non-reentrant checkpointing of every block of a timm backbone (all its units, models/checkpointing.py)."""
+    units = backbone_units(backbone)
+    if not units:
+        raise VtrainError(f"--grad-ckpt backbone: {type(backbone).__name__} has no blocks to checkpoint")
+    for blocks in units.values():
+        for b in blocks:
+            set_recompute(b, "full" if enable else None)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vtrain.models.backbones import build_backbone
+from vtrain.models.checkpointing import backbone_units
 
 
 class EmbeddingNeck(nn.Module):
@@ -88,6 +89,10 @@ class MetricModel(nn.Module):
         loss, cos = self.head(emb, labels)
         acc = (cos.argmax(1) == labels).float().mean()
         return {"loss": loss, "train_acc": acc}
+
+    def recompute_units(self) -> dict[str, tuple[nn.Module, ...]]:
+        """The backbone's stages (Swin, ResNet) or blocks (ViT), models/checkpointing.py."""
+        return backbone_units(self.backbone)
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names (full, dotted) exempt from weight decay beyond norms and biases."""

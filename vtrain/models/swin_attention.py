@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention, window_partition, window_reverse
 from torch import nn
 
+from vtrain.models.lean import lean_norm, remat
+
 
 def window_groups(batch: int, grid_h: int, grid_w: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -77,7 +79,24 @@ def grouped_window_attention(attn: WindowAttention, x: torch.Tensor, masks: torc
 
 class SharedBiasSwinBlock(SwinTransformerBlock):
     """A timm SwinTransformerBlock whose attention passes one broadcast bias per mask group to fused SDPA (see the
-    module docstring). Same parameters, buffers and state-dict keys; made by `use_shared_bias_attention`."""
+    module docstring). Same parameters, buffers and state-dict keys; made by `use_shared_bias_attention`.
+
+    Its forward is timm's, minus two copies backward need not keep (lean.py, same values): the fp32 copy of the
+    16-bit residual stream that CUDA autocast makes for each LayerNorm, and the GELU output that fc2 keeps, made
+    again from the fc1 output that GELU keeps anyway."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        x = x + self.drop_path1(self._attn(lean_norm(self.norm1, x)))
+        x = x.reshape(b, -1, c)
+        x = x + self.drop_path2(self._mlp(lean_norm(self.norm2, x)))
+        return x.reshape(b, h, w, c)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        # timm's Mlp.forward: fc1, act, drop1, norm, fc2, drop2
+        m = self.mlp
+        y = remat(lambda a: m.fc2(m.norm(m.drop1(a))), (m.act, (m.fc1(x),)))
+        return m.drop2(y)
 
     def _group_masks(self, shifted_x: torch.Tensor) -> torch.Tensor:
         """The four mask patterns (interior, last column, last row, corner), (4, N, N), from timm's own builder on

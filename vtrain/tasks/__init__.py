@@ -2,52 +2,19 @@
 
 from __future__ import annotations
 
-from torch import nn
+from vtrain.config import RunConfig
+from vtrain.tasks.dino import DinoTask
+from vtrain.tasks.metric import MetricTask
+from vtrain.tasks.model import build_model, model_for_weights
 
-from vtrain.config import ModelConfig, RunConfig
+# build_model and model_for_weights are offered here too: the engine and the tools build models through them
+__all__ = ["TASK_CLASSES", "build_model", "build_task", "model_for_weights"]
 
-
-def build_task(cfg: RunConfig):
-    if cfg.task == "metric":
-        from vtrain.tasks.metric import MetricTask
-
-        return MetricTask(cfg)
-    if cfg.task == "dino":
-        from vtrain.tasks.dino import DinoTask
-
-        return DinoTask(cfg)
-    raise ValueError(f"unknown task {cfg.task}")
+TASK_CLASSES = {"metric": MetricTask, "dino": DinoTask}
 
 
-def build_model(task: str, m: ModelConfig, num_classes: int) -> nn.Module:
-    """The task's model from its model config, with activation checkpointing applied: the one place models are
-    constructed (training, `vtrain eval`, `consolidate --check-model`, `estimate-memory`)."""
-    if task == "dino":
-        from vtrain.models.dino import DINO
-
-        model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries)
-        model.set_grad_checkpointing(m.grad_ckpt)
-        return model
-    from vtrain.models.backbones import set_backbone_checkpointing
-    from vtrain.models.metric import MetricModel
-
-    # --head-parallel sharded: the head lives outside the model (engine/head_shard.py)
-    classes = 0 if m.head_parallel == "sharded" else num_classes
-    model = MetricModel(m.preset, classes, m.image_size, m.embedding_dim, m.neck_norm, m.head, m.margin, m.scale,
-                        m.drop_path)
-    if "backbone" in m.grad_ckpt:
-        set_backbone_checkpointing(model.backbone)
-    return model
-
-
-def model_for_weights(cfg: RunConfig, shapes: dict[str, tuple[int, ...]]) -> nn.Module:
-    """The model of a saved config whose class count fits saved weights (name -> shape), built without data:
-    for `vtrain eval` and `vtrain consolidate --check-model`. Build it under torch.device("meta") for a check."""
-    head = "cls_heads.0.weight" if cfg.task == "dino" else "head.weight"
-    if cfg.task == "metric" and head in shapes and cfg.model.head_parallel == "sharded":
-        # `vtrain consolidate` of a sharded-head run writes the full head.weight: the model with its head
-        from dataclasses import replace
-
-        cfg = replace(cfg, model=replace(cfg.model, head_parallel="none", sample_rate=1.0))
-    # a metric file without head.weight (sharded-head checkpoints, `consolidate --backbone-only`): no head
-    return build_model(cfg.task, cfg.model, shapes[head][0] if head in shapes else (0 if cfg.task == "metric" else 1))
+def build_task(cfg: RunConfig) -> MetricTask | DinoTask:
+    """The task object of `cfg.task`."""
+    if cfg.task not in TASK_CLASSES:
+        raise ValueError(f"unknown task {cfg.task}")
+    return TASK_CLASSES[cfg.task](cfg)

@@ -2,31 +2,28 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from rich.table import Table
 from torch.utils.data import DataLoader, Subset
 
 from vtrain.config import RunConfig
 from vtrain.data.coco import CocoDetection, collate
-from vtrain.data.demo_shapes import ensure_demo_shapes
+from vtrain.data.demo import data_root
 from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
+from vtrain.data.workers import worker_context
+from vtrain.dist import gather_objects
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
+from vtrain.files import write_json_atomic
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.dino import DINO, postprocess
-from vtrain.tasks import build_model
-
-GRAD_CKPT_PARTS = ("backbone", "encoder", "decoder")
-
+from vtrain.tasks.model import build_model
 
 @dataclass
 class CocoPaths:
@@ -36,10 +33,11 @@ class CocoPaths:
     val_images: Path | None
 
 
-def resolve_coco_data(data) -> CocoPaths:
-    """--data DIR in COCO layout (annotations/instances_{train,val}2017.json, train2017/, val2017/) or `demo`;
-    explicit --train-ann/--train-images/--val-ann/--val-images win over the layout."""
-    root = ensure_demo_shapes() if data.path == "demo" else Path(data.path)
+def resolve_coco_data(data, root: Path | None = None) -> CocoPaths:
+    """--data DIR in COCO layout (annotations/instances_{train,val}2017.json, train2017/, val2017/); explicit
+    --train-ann/--train-images/--val-ann/--val-images win over the layout. `root`: where --data points, `demo`
+    already turned into its directory (data/demo.py); default: --data."""
+    root = Path(data.path) if root is None else root
 
     def pick(explicit: str | None, default: Path) -> Path | None:
         if explicit:
@@ -58,8 +56,9 @@ def resolve_coco_data(data) -> CocoPaths:
 
 
 def test_sizes(image_size: int, max_size: int | None) -> tuple[int, int]:
-    """Test-time resize (evaluation and `vtrain predict`): short side image_size, long side at most max_size,
-    by default image_size * 1333 / 800 (the recipe's 800/1333, docs/dino.md §1.1)."""
+    """Test-time resize (evaluation, `vtrain predict`, the size `estimate-memory` traces): short side image_size,
+    long side at most max_size, by default image_size * 1333 / 800 (the recipe's 800/1333, docs/dino.md §1.1).
+    The one place that rule is written."""
     return image_size, max_size or round(image_size * 1333 / 800)
 
 
@@ -72,17 +71,13 @@ class DinoTask:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        for part in cfg.model.grad_ckpt:
-            if part not in GRAD_CKPT_PARTS:
-                raise VtrainError(f"--grad-ckpt: unknown part {part!r} for --task dino; parts: "
-                                  f"{', '.join(GRAD_CKPT_PARTS)}")
         self.hf = HfSplits(cfg.data.path) if is_hf(cfg.data.path) else None  # --data hf:PATH (data/hf.py)
         if self.hf is not None:
             given = [f for f, v in (("--train-ann", cfg.data.train_ann), ("--train-images", cfg.data.train_images),
                                     ("--val-ann", cfg.data.val_ann), ("--val-images", cfg.data.val_images)) if v]
             if given:
                 raise VtrainError(f"{', '.join(given)}: not used with --data {cfg.data.path} (its splits are the data)")
-        self.paths = None if self.hf is not None else resolve_coco_data(cfg.data)
+        self.paths = None if self.hf is not None else resolve_coco_data(cfg.data, data_root(self.name, cfg.data.path))
         self.size, self.max_size = test_sizes(cfg.model.image_size, cfg.data.max_size)
         self._train: CocoDetection | None = None
         self._val: CocoDetection | None = None
@@ -90,8 +85,10 @@ class DinoTask:
 
     # ---- data ---------------------------------------------------------------------------------------------
     def train_dataset(self) -> CocoDetection:
+        limit = self.cfg.data.max_image_pixels
         if self._train is None and self.hf is not None:
-            self._train = self.hf.detection("train", self.size, self.max_size, train=True, seed=self.cfg.train.seed)
+            self._train = self.hf.detection("train", self.size, self.max_size, train=True, seed=self.cfg.train.seed,
+                                            max_pixels=limit)
             self.notes.append(self._train.report.summary("train data"))
         if self._train is None:
             if self.paths.train_ann is None or self.paths.train_images is None:
@@ -99,17 +96,23 @@ class DinoTask:
                                   "(annotations/instances_train2017.json and train2017/); give --train-ann and "
                                   "--train-images")
             self._train = CocoDetection(self.paths.train_ann, self.paths.train_images, self.size, self.max_size,
-                                        train=True, seed=self.cfg.train.seed)
+                                        train=True, seed=self.cfg.train.seed, max_pixels=limit)
             self.notes.append(self._train.report.summary("train data"))
         return self._train
 
     def val_dataset(self) -> CocoDetection | None:
+        limit = self.cfg.data.max_image_pixels
         if self._val is None and self.hf is not None and self.hf.eval_split is not None:
-            self._val = self.hf.detection(self.hf.eval_split, self.size, self.max_size, train=False)
+            self._val = self.hf.detection(self.hf.eval_split, self.size, self.max_size, train=False,
+                                          max_pixels=limit)
         if self._val is None and self.paths is not None and self.paths.val_ann is not None:
             self._val = CocoDetection(self.paths.val_ann, self.paths.val_images, self.size, self.max_size,
-                                      train=False)
+                                      train=False, max_pixels=limit)
         return self._val
+
+    def check_eval_data(self) -> None:
+        """Load and check the evaluation set now (at the start of training), not first at evaluation time."""
+        self.val_dataset()
 
     @staticmethod
     def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -156,8 +159,9 @@ class DinoTask:
             return None
         n = len(ds)
         order, real = eval_shard(n, rank, world)  # the padding duplicates are not scored
+        workers = min(self.cfg.data.num_workers, 2)
         loader = DataLoader(Subset(ds, order), batch_size=self.cfg.train.batch_size, collate_fn=collate,
-                            num_workers=min(self.cfg.data.num_workers, 2))
+                            num_workers=workers, multiprocessing_context=worker_context(workers))
         dets: list[dict[str, Any]] = []
         pos = 0
         for batch in loader:
@@ -168,10 +172,7 @@ class DinoTask:
                     dets += coco_detections(image_id, r["boxes"].cpu().numpy(), r["scores"].cpu().numpy(),
                                             r["labels"].cpu().numpy(), ds.cat_ids)
                 pos += 1
-        if world > 1:
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, dets)
-            dets = [d for part in gathered for d in part]
+        dets = [d for part in gather_objects(dets) for d in part]  # every rank's, in rank order
         if rank != 0:
             return None
         if save_predictions:
@@ -202,11 +203,3 @@ class DinoTask:
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}"
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)

@@ -8,26 +8,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from vtrain.config import RunConfig
+from vtrain.data.demo import data_root
 from vtrain.data.faces import FaceFolder, FaceSamples, decode_rgb, load_image, read_pairs, resolve_face_data, \
     sample_pairs, to_model_input
 from vtrain.data.recordio import RecordFaces
 from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
-from vtrain.data.verification_bin import read_bin
+from vtrain.data.verification_bin import MIN_PAIRS, check_pairs, read_bin
+from vtrain.data.workers import worker_context
+from vtrain.dist import gather_tensors, world_size
 from vtrain.errors import VtrainError
 from vtrain.eval.verification import pack_metrics, verification_metrics
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.metric import MetricModel
-from vtrain.tasks import build_model
-
-GRAD_CKPT_PARTS = ("backbone",)
-
+from vtrain.tasks.model import build_model
 
 @dataclass
 class EvalSet:
@@ -47,36 +47,41 @@ class MetricTask:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        self.data = resolve_face_data(cfg.data)
+        self.data = resolve_face_data(cfg.data, data_root(self.name, cfg.data.path))
         self.hf = HfSplits(cfg.data.path) if is_hf(cfg.data.path) else None  # --data hf:PATH (data/hf.py)
         self._train: FaceSamples | None = None
         self._packs: dict[str, tuple[list[bytes], np.ndarray]] = {}
         self.notes: list[str] = []
-        for part in cfg.model.grad_ckpt:
-            if part not in GRAD_CKPT_PARTS:
-                raise VtrainError(f"--grad-ckpt: unknown part {part!r} for --task metric; parts: "
-                                  f"{', '.join(GRAD_CKPT_PARTS)}")
 
     # ---- data ---------------------------------------------------------------------------------------------
     def train_dataset(self) -> FaceSamples:
         """A Hugging Face dataset (`hf:PATH`), RecordIO (train.rec + train.idx) or identity folders, recognised by
         the files in --data."""
+        limit = self.cfg.data.max_image_pixels
         if self._train is None and self.hf is not None:
-            self._train = self.hf.faces("train", self.cfg.model.image_size, train=True, seed=self.cfg.train.seed)
+            self._train = self.hf.faces("train", self.cfg.model.image_size, train=True, seed=self.cfg.train.seed,
+                                        max_pixels=limit)
+            _check_head_memory(self._train, self.cfg)
         if self._train is None:
             d, size, seed = self.data, self.cfg.model.image_size, self.cfg.train.seed
             if d.layout == "bin":
                 raise VtrainError(f"--data {d.root}: a verification .bin holds pairs to evaluate on, not training "
                                   "data; train on a RecordIO dir (train.rec + train.idx) or identity folders")
             if d.layout == "recordio":
-                self._train = RecordFaces(d.train_dir, size, train=True, seed=seed)
+                self._train = RecordFaces(d.train_dir, size, train=True, seed=seed, max_pixels=limit)
             else:
                 self._train = FaceFolder(d.train_dir, size, train=True, seed=seed,
-                                         skip_bad=self.cfg.data.skip_bad_images)
+                                         skip_bad=self.cfg.data.skip_bad_images, max_pixels=limit)
                 if self._train.empty_files:
                     self.notes.append(f"--skip-bad-images: left out {len(self._train.empty_files)} empty files, "
                                       f"e.g. {self._train.empty_files[0]}")
+            _check_head_memory(self._train, self.cfg)
         return self._train
+
+    def check_eval_data(self) -> None:
+        """Read and check every evaluation set now (at the start of training): pairs that cannot be scored, an
+        unreadable pack or held-out folder are one error before any step, not after the final save."""
+        self.eval_sets()
 
     @staticmethod
     def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -112,27 +117,35 @@ class MetricTask:
     # ---- evaluation ---------------------------------------------------------------------------------------
     def eval_sets(self) -> list[EvalSet]:
         """The held-out identities or pairs file (if any), then every `.bin` pack of --val-targets."""
-        size, sets = self.cfg.model.image_size, []
+        size, limit, sets = self.cfg.model.image_size, self.cfg.data.max_image_pixels, []
         if self.data.pairs_file is not None:
             pairs = read_pairs(self.data.pairs_file)
             paths = sorted({p for a, b, _ in pairs for p in (a, b)})
             pos = {p: i for i, p in enumerate(paths)}
             idx = np.array([[pos[a], pos[b]] for a, b, _ in pairs])
-            sets.append(EvalSet("", _Images(paths, load_image, size), idx, np.array([s for *_, s in pairs])))
+            sets.append(EvalSet("", _Images(paths, load_image, size, limit), idx, np.array([s for *_, s in pairs])))
+            where = f"--pairs {self.data.pairs_file}"
         elif self.hf is not None and self.hf.eval_split:  # held-out identities: the validation (or test) split
-            val = self.hf.faces(self.hf.eval_split, size, train=False)
+            val = self.hf.faces(self.hf.eval_split, size, train=False, max_pixels=limit)
             idx, same = sample_pairs(val.targets, self.cfg.data.max_impostor_pairs, seed=self.cfg.train.seed)
-            sets.append(EvalSet("", _Images(list(val.samples.images), load_image, size), idx, same))
+            sets.append(EvalSet("", _Images(list(val.samples.images), load_image, size, limit), idx, same))
+            where = f"--data {self.hf.where(self.hf.eval_split)} (pairs sampled over its identities)"
         elif self.data.val_dir is not None:
-            val = FaceFolder(self.data.val_dir, size, train=False, skip_bad=self.cfg.data.skip_bad_images)
+            val = FaceFolder(self.data.val_dir, size, train=False, skip_bad=self.cfg.data.skip_bad_images,
+                             max_pixels=limit)
             idx, same = sample_pairs(val.targets, self.cfg.data.max_impostor_pairs, seed=self.cfg.train.seed)
-            sets.append(EvalSet("", _Images([p for p, _ in val.samples], load_image, size), idx, same))
+            sets.append(EvalSet("", _Images([p for p, _ in val.samples], load_image, size, limit), idx, same))
+            where = f"--val-data {self.data.val_dir} (pairs sampled over its identities)"
+        if sets:  # e.g. held-out identities with one image each give no genuine pair
+            check_pairs(sets[0].same, where)
         for name, path in self.data.val_targets:
             if name not in self._packs:  # unpickled once per run, not at every evaluation
-                self._packs[name] = read_bin(path)
+                images, same = read_bin(path)
+                check_pairs(same, f"verification pack {path}", MIN_PAIRS)
+                self._packs[name] = images, same
             images, same = self._packs[name]
             pairs = np.arange(len(images)).reshape(-1, 2)  # pair i = images 2i, 2i+1 (docs/face.md §1.5)
-            sets.append(EvalSet(name, _Images(images, _PackImage(path), size), pairs, same))
+            sets.append(EvalSet(name, _Images(images, _PackImage(path), size, limit), pairs, same))
         return sets
 
     @torch.no_grad()
@@ -164,17 +177,14 @@ class MetricTask:
         """L2-normalised flip-summed embeddings of all images, complete on rank 0."""
         n = len(images)
         mine, _ = eval_shard(n, rank, world)  # padding duplicates are cut off after the gather ([:n])
+        workers = min(self.cfg.data.num_workers, 2)
         loader = torch.utils.data.DataLoader(torch.utils.data.Subset(images, mine),
-                                             batch_size=self.cfg.train.batch_size,
-                                             num_workers=min(self.cfg.data.num_workers, 2))
+                                             batch_size=self.cfg.train.batch_size, num_workers=workers,
+                                             multiprocessing_context=worker_context(workers))
         chunks = []
         for imgs in loader:
             chunks.append(flip_embeddings(forward, imgs.to(device, input_dtype)))
-        local = torch.cat(chunks)
-        if world > 1:
-            gathered = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(gathered, local)
-            local = torch.cat(gathered)
+        local = torch.cat(gather_tensors(torch.cat(chunks)))  # every rank's, in rank order
         return local[:n].cpu()
 
     @staticmethod
@@ -209,16 +219,17 @@ def flip_embeddings(forward: Callable[..., dict[str, torch.Tensor]], images: tor
 
 
 class _Images(Dataset):
-    """Model inputs of a list of image sources (paths or encoded bytes)."""
+    """Model inputs of a list of image sources (paths or encoded bytes), none larger than `max_pixels`."""
 
-    def __init__(self, sources: list, decode: Callable[[Any, int], torch.Tensor], size: int) -> None:
-        self.sources, self.decode, self.size = sources, decode, size
+    def __init__(self, sources: list, decode: Callable[[Any, int, int], torch.Tensor], size: int,
+                 max_pixels: int) -> None:
+        self.sources, self.decode, self.size, self.max_pixels = sources, decode, size, max_pixels
 
     def __len__(self) -> int:
         return len(self.sources)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.decode(self.sources[i], self.size)
+        return self.decode(self.sources[i], self.size, self.max_pixels)
 
 
 class _PackImage:
@@ -227,5 +238,25 @@ class _PackImage:
     def __init__(self, path) -> None:
         self.path = path
 
-    def __call__(self, data: bytes, size: int) -> torch.Tensor:
-        return to_model_input(decode_rgb(data, f"in {self.path}"), size)
+    def __call__(self, data: bytes, size: int, max_pixels: int) -> torch.Tensor:
+        return to_model_input(decode_rgb(data, f"in {self.path}", max_pixels), size)
+
+
+def _check_head_memory(data: FaceSamples, cfg: RunConfig) -> None:
+    """Refuse a class count whose head cannot be held, before any head is built: the count comes from a file
+    (a RecordIO `property`, a header record) that says anything. The estimate is the fp32 weight, its gradient and
+    AdamW's two moments of this process's rows (all classes, or 1/world of them with --head-parallel sharded),
+    against what this machine has (available RAM, or the GPU's memory when it is larger)."""
+    world = world_size()
+    shards = world if cfg.model.head_parallel == "sharded" else 1
+    rows = -(-data.num_classes // shards)
+    need = 4 * rows * cfg.model.embedding_dim * 4
+    have = psutil.virtual_memory().available
+    if torch.cuda.is_available():
+        have = max(have, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    if need > have:
+        source = f" ({data.num_classes_source})" if data.num_classes_source else ""
+        raise VtrainError(f"{data.num_classes} classes{source} need a {need / 2**30:.1f} GiB head per process "
+                          f"({rows} x {cfg.model.embedding_dim} fp32 weights, gradients and AdamW moments), more "
+                          f"than this machine has ({have / 2**30:.1f} GiB); the class count is wrong, or use "
+                          "--head-parallel sharded over more processes")

@@ -1,19 +1,18 @@
 """Offline consolidation of a checkpoint into one fp32 state dict, streamed tensor by tensor.
 
-Readers yield (name, tensor, is_buffer) from the checkpoint's own shards without building the whole model in RAM:
-DeepSpeed ZeRO-1/2/3 from the fp32 master partitions in `*_optim_states.pt` (loaded with mmap; the Adam moments
-are never touched), FSDP2 from DCP one tensor at a time, DDP/single from `model.safetensors`; the EMA weights of a
-vtrain checkpoint (the default when it has them, `--weights ema|model`) from its whole `ema.safetensors`. Known gaps of the
-reference tools that are handled here (docs/memory_ckpt.md §3-4): frozen parameters of ZeRO-1
-(taken from the saved module), frozen parameters and buffers returned in their training dtype (reported),
-tied weights (written as separate copies so safetensors accepts them).
+Readers (shard_readers.py) yield (name, tensor, is_buffer) from the checkpoint's own shards without building the
+whole model in RAM: DeepSpeed ZeRO-1/2/3 from the fp32 master partitions in `*_optim_states.pt` (loaded with mmap;
+the Adam moments are never touched), FSDP2 from DCP one tensor at a time, DDP/single from `model.safetensors`; the
+EMA weights of a vtrain checkpoint (the default when it has them, `--weights ema|model`) from its whole
+`ema.safetensors`. Known gaps of the reference tools that are handled here (docs/memory_ckpt.md §3-4): frozen
+parameters of ZeRO-1 (taken from the saved module), frozen parameters and buffers returned in their training dtype
+(reported), tied weights (written as separate copies so safetensors accepts them).
 """
 
 from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import re
 import shutil
@@ -23,11 +22,16 @@ from pathlib import Path
 
 import torch
 
+from vtrain.config import load_run_config
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.best import best_checkpoint
+from vtrain.engine.ema import weights_file
+from vtrain.engine.head_shard import full_weight
 from vtrain.errors import VtrainError
-from vtrain.safeio import check_dcp, dcp_refusals, enforce_weights_only
-
-Item = tuple[str, torch.Tensor, bool]  # name, tensor, is_buffer
+from vtrain.files import write_json_atomic
+from vtrain.safeio import enforce_weights_only
+from vtrain.tasks import model_for_weights
+from vtrain.tools.shard_readers import READERS, Item
 
 
 @dataclass
@@ -73,9 +77,9 @@ def _detect(path: str | Path, weights: str | None) -> Source:
         return Source("state-dict", p, f"state-dict file {p.name}")
     if not any(p.iterdir()):
         raise VtrainError(f"{path}: empty directory")
-    if not ckpt.is_checkpoint(p) and (p / "checkpoints").is_dir():
+    if not ckpt.is_checkpoint(p) and ckpt.checkpoint_dir(p).is_dir():
         return _in_vtrain_checkpoint(ckpt.find_verified(p, "CKPT"), weights)
-    if p.name.startswith(".tmp-step_") or (any((p / n).exists() for n in (ckpt.TRAIN_STATE, ckpt.LEGACY_TRAIN_STATE))
+    if p.name.startswith(ckpt.STAGING) or (any((p / n).exists() for n in (ckpt.TRAIN_STATE, ckpt.LEGACY_TRAIN_STATE))
                                            and not ckpt.is_checkpoint(p)):
         raise VtrainError(f"{path}: a half-written checkpoint (no {ckpt.COMPLETE} manifest); use an earlier one")
     if ckpt.is_checkpoint(p):
@@ -84,14 +88,12 @@ def _detect(path: str | Path, weights: str | None) -> Source:
 
 
 def _in_vtrain_checkpoint(p: Path, weights: str | None) -> Source:
-    from vtrain.engine.ema import weights_file
-
     file, used = weights_file(p, weights)
     if used == "ema":  # already whole and fp32 (gathered at save time), buffers and frozen parameters included
         return Source("state-dict", file, f"vtrain checkpoint {p} (EMA weights {file.name})")
-    src = _plain(p / "fsdp", p) if (p / "fsdp").is_dir() else _plain(p / "accelerate", p)
+    src = _plain(p / ckpt.FSDP, p) if (p / ckpt.FSDP).is_dir() else _plain(p / ckpt.ACCELERATE, p)
     src.description = f"vtrain checkpoint {p} ({src.description})"
-    if (p / "head").is_dir():  # the sharded face head: per-rank class ranges, stitched by head_shard.full_weight
+    if (p / ckpt.HEAD).is_dir():  # the sharded face head: per-rank class ranges, stitched by head_shard.full_weight
         src.head_shards = p
         src.description += ", sharded face head"
     return src
@@ -112,159 +114,9 @@ def _plain(p: Path, shown: Path) -> Source:
     raise VtrainError(f"{shown}: no DeepSpeed, FSDP or model weights found (not a checkpoint?)")
 
 
-# ---- DeepSpeed ZeRO ---------------------------------------------------------------------------------------------
-
-def _natural(s: str) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
-
-
-def _read_deepspeed(tag: Path, notes: list[str], aliases: dict[str, str]) -> Iterator[Item]:
-    optim_files = sorted(glob.glob(str(tag / "*_optim_states.pt")), key=_natural)
-    model_files = sorted(glob.glob(str(tag / "*model_states.pt")), key=_natural)
-    if not model_files:
-        raise VtrainError(f"{tag}: missing *_model_states.pt files")
-    if not optim_files:  # ZeRO-0: the whole module (fp32 master weights under torch_autocast) is in the model file
-        ms = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=True)
-        if not isinstance(ms.get("module"), dict):
-            raise VtrainError(f"{tag}: no *_optim_states.pt files and no module in {Path(model_files[0]).name}")
-        notes.append("ZeRO-0 (no partitioning): weights from the saved module")
-        aliases.update(ms.get("shared_params") or {})
-        buffers = set(ms.get("buffer_names", []))
-        for name, t in ms["module"].items():
-            if name not in aliases:
-                yield name, _noted(t, name, notes, "buffer" if name in buffers else "parameter"), name in buffers
-        return
-    # mmap: only the slices we read come into memory; the Adam moments are never read
-    optims = [torch.load(f, map_location="cpu", mmap=True, weights_only=True)["optimizer_state_dict"]
-              for f in optim_files]
-    stage = optims[0].get("zero_stage")
-    world = optims[0]["partition_count"]
-    world = max(world) if isinstance(world, list) else world
-    if world != len(optims):
-        raise VtrainError(f"{tag}: {len(optims)} optimizer shards but the checkpoint was written by {world} ranks "
-                          "(overwritten or incomplete checkpoint)")
-    ms = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=True)
-    stage = int(stage) if stage is not None else None
-    notes.append(f"ZeRO-{stage}, {world} ranks")
-    aliases.update(ms.get("shared_params") or {})  # before yielding: the writer keeps the tied sources
-    param_shapes: list[dict] = ms["param_shapes"]
-    module = ms.get("module") or {}
-    buffer_names = set(ms.get("buffer_names", []))
-    if stage in (1, 2):
-        groups = [[o["single_partition_of_fp32_groups"][g] for o in optims] for g in range(len(param_shapes))]
-        paddings = optims[0].get("param_alignment_paddings")
-        for g, shapes in enumerate(param_shapes):
-            parts = groups[g]
-            bounds = [0]
-            for t in parts:
-                bounds.append(bounds[-1] + t.numel())
-            offset = 0
-            for i, (name, shape) in enumerate(shapes.items()):
-                n = math.prod(shape)
-                yield name, _span(parts, bounds, offset, n).view(tuple(shape)), False
-                offset += n + (paddings[g][i] if paddings is not None else 0)
-    elif stage == 3:
-        flat = [o["fp32_flat_groups"] for o in optims]
-        group_sizes = [t.numel() for t in flat[0]]
-        shapes = {k: v for d in param_shapes for k, v in d.items()}
-        offset = 0  # offset of this parameter's partition inside each rank's concatenated flat groups
-        for name, shape in shapes.items():
-            n = math.prod(shape)
-            part = math.ceil(n / world)
-            pieces = [_slice_groups(flat[r], group_sizes, offset, part) for r in range(world)]
-            yield name, torch.cat(pieces)[:n].view(tuple(shape)), False
-            offset += part
-    else:
-        raise VtrainError(f"{tag}: unknown ZeRO stage {stage!r}")
-    # frozen parameters: fragments (ZeRO-2/3) or, for ZeRO-1, the saved full module (the reference tool drops them)
-    frozen = ms.get("frozen_param_shapes") or {}
-    if frozen:
-        if stage == 3:
-            states = [torch.load(f, map_location="cpu", mmap=True, weights_only=True) for f in model_files]
-            for name, shape in frozen.items():
-                t = torch.cat([s["frozen_param_fragments"][name].reshape(-1) for s in states])[: math.prod(shape)]
-                yield name, _noted(t.view(tuple(shape)), name, notes, "frozen parameter"), False
-        else:
-            for name, shape in frozen.items():
-                yield name, _noted(ms["frozen_param_fragments"][name].view(tuple(shape)), name, notes,
-                                   "frozen parameter"), False
-    elif stage == 1:
-        trainable = {k for d in param_shapes for k in d}
-        for name, t in module.items():
-            if name not in buffer_names and name not in trainable and name not in aliases:
-                yield name, _noted(t, name, notes, "frozen parameter (from the saved module)"), False
-    for name, t in module.items():
-        if name in buffer_names:
-            yield name, _noted(t, name, notes, "buffer"), True
-
-
-def _noted(t: torch.Tensor, name: str, notes: list[str], what: str) -> torch.Tensor:
-    if t.is_floating_point() and t.dtype != torch.float32:
-        notes.append(f"{what} {name} was saved in {str(t.dtype).replace('torch.', '')}: its values carry that "
-                     "precision")
-    return t
-
-
-def _span(parts: list[torch.Tensor], bounds: list[int], start: int, n: int) -> torch.Tensor:
-    """Elements [start, start+n) of the concatenation of `parts` (without concatenating them)."""
-    out = []
-    for t, lo, hi in zip(parts, bounds, bounds[1:]):
-        a, b = max(start, lo), min(start + n, hi)
-        if a < b:
-            out.append(t[a - lo : b - lo])
-    return torch.cat(out) if len(out) > 1 else out[0].clone()
-
-
-def _slice_groups(groups: list[torch.Tensor], sizes: list[int], start: int, n: int) -> torch.Tensor:
-    bounds = [0]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    return _span(groups, bounds, start, n)
-
-
-# ---- FSDP (DCP) and plain state dicts --------------------------------------------------------------------------
-
-def _read_dcp(path: Path, notes: list[str], aliases: dict[str, str]) -> Iterator[Item]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    check_dcp([path])  # DCP reads its .metadata with plain pickle.load
-    reader = dcp.FileSystemReader(str(path))
-    meta = reader.read_metadata()
-    keys = [k for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
-    prefix = "model." if any(k.startswith("model.") for k in keys) else ""
-    for key in keys:
-        if prefix and not key.startswith(prefix):
-            continue  # optimizer states
-        m = meta.state_dict_metadata[key]
-        t = torch.empty(m.size, dtype=m.properties.dtype)
-        with dcp_refusals(path):
-            dcp.load({key: t}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-        name = key[len(prefix):]
-        yield name, _noted(t, name, notes, "tensor"), _looks_like_buffer(name)
-
-
-def _looks_like_buffer(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")
-
-
-def _read_state_dict(path: Path, notes: list[str], aliases: dict[str, str]) -> Iterator[Item]:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            for k in f.keys():
-                yield k, f.get_tensor(k), _looks_like_buffer(k)
-        return
-    from vtrain.models.backbones import read_state_dict
-
-    for k, v in read_state_dict(path).items():
-        yield k, v, _looks_like_buffer(k)
-
-
 def iter_tensors(src: Source) -> Iterator[Item]:
-    reader = {"deepspeed": _read_deepspeed, "fsdp-dcp": _read_dcp, "state-dict": _read_state_dict}[src.kind]
-    return reader(src.path, src.notes, src.aliases)
+    """(name, tensor, is_buffer) of every tensor in `src`, streamed by its kind's reader (shard_readers.py)."""
+    return READERS[src.kind](src.path, src.notes, src.aliases)
 
 
 # ---- writing ---------------------------------------------------------------------------------------------------
@@ -290,7 +142,7 @@ class Report:
 
 def _config_path(path: str | Path) -> Path | None:
     p = Path(path)
-    for c in (p / "config.yaml", p.parent / "config.yaml", p.parent.parent / "config.yaml"):
+    for c in (p / ckpt.CONFIG, p.parent / ckpt.CONFIG, p.parent.parent / ckpt.CONFIG):
         if c.is_file():
             return c
     return None
@@ -299,9 +151,6 @@ def _config_path(path: str | Path) -> Path | None:
 def _check_model(path: str | Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
     """Rebuild the model from the run's config.yaml on the meta device and check, as load_state_dict(strict=True)
     does, that names and shapes match exactly (no data needed)."""
-    from vtrain.config import load_run_config
-    from vtrain.tasks import model_for_weights
-
     cfg_path = _config_path(path)
     if cfg_path is None:
         raise VtrainError(f"--check-model: no config.yaml next to {path} (only vtrain checkpoints carry one)")
@@ -348,8 +197,6 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
         raise VtrainError(f"OUT {existing[0]} exists; --overwrite replaces it")
     enforce_weights_only()  # DeepSpeed's checkpoint files hold its own types (safeio.py)
     if best:
-        from vtrain.engine.best import best_checkpoint
-
         path = best_checkpoint(path, "CKPT")
     src = detect(path, weights)
     report = Report(src)
@@ -391,8 +238,6 @@ def _with_head(src: Source, backbone_only: bool) -> Iterator[Item]:
         if not (backbone_only and item[0].startswith("head.")):
             yield item
     if src.head_shards is not None and not backbone_only:
-        from vtrain.engine.head_shard import full_weight
-
         yield "head.weight", full_weight(src.head_shards), False
 
 
@@ -477,9 +322,7 @@ class _ShardWriter:
                      "weight_map": {k: final.name for s, final in zip(self.shards, finals)
                                     for k in (s["header"] or s["tensors"])}}
             idx = self.out.parent / f"{self.out.name}.index.json"
-            tmp = idx.parent / f".{idx.name}.tmp"
-            tmp.write_text(json.dumps(index, indent=2))
-            os.replace(tmp, idx)
+            write_json_atomic(idx, index, indent=2)
             written.append(str(idx))
         return written
 

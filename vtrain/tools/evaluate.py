@@ -44,7 +44,7 @@ def checkpoint_task(checkpoint: str | Path) -> str:
     if path is None:
         raise ckpt.CheckpointError(f"--checkpoint: {checkpoint} is neither a complete checkpoint nor a run "
                                    "directory with one")
-    return load_run_config(path / "config.yaml").task
+    return load_run_config(path / ckpt.CONFIG).task
 
 
 def load_model(checkpoint: str | Path, task_name: str | None = None, device: torch.device | None = None,
@@ -60,10 +60,10 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     weights, used = weights_file(path, weights_choice)
     if not weights.is_file():
         raise VtrainError(f"{flag}: {path} has no {weights.name}")
-    cfg = load_run_config(path / "config.yaml")
+    cfg = load_run_config(path / ckpt.CONFIG)
     if task_name is not None and task_name != cfg.task:
         raise VtrainError(f"{task_flag or f'--task {task_name}'}: {path} is a {cfg.task} checkpoint")
-    saved = yaml.safe_load((path / "config.yaml").read_text()).get("data") or {}
+    saved = yaml.safe_load((path / ckpt.CONFIG).read_text()).get("data") or {}
     sd = load_file(str(weights))
     model = model_for_weights(cfg, {k: tuple(v.shape) for k, v in sd.items()})
     load_strict(model, sd, flag, "weights do not match the model in config.yaml")
@@ -85,7 +85,8 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     given = {k: v for k, v in data.items() if v is not None}
     # no --data: the run's own data (and its explicit files); a new --data root: only what is given
     keep = () if "path" in given else ("path", "val_targets", "train_ann", "train_images", "val_ann", "val_images")
-    merged = {**{k: saved[k] for k in keep if saved.get(k) is not None}, "max_size": saved.get("max_size"), **given}
+    merged = {**{k: saved[k] for k in keep if saved.get(k) is not None}, "max_size": saved.get("max_size"),
+              **({"max_image_pixels": saved["max_image_pixels"]} if saved.get("max_image_pixels") else {}), **given}
     cfg = replace(cfg, data=DataConfig(**merged),
                   train=replace(cfg.train, batch_size=batch_size or cfg.train.batch_size))
     task = build_task(cfg)

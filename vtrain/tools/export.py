@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from vtrain.errors import VtrainError
+from vtrain.tools.evaluate import load_model
 
 OPSET = 18
 INPUT, OUTPUT = "input", "embedding"
@@ -53,8 +54,6 @@ class ExportReport:
 
 
 def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, verify: bool = True) -> ExportReport:
-    from vtrain.tools.evaluate import load_model
-
     out = Path(out)
     if out.suffix != ".onnx":
         raise VtrainError(f"output {out}: the file name must end in .onnx")

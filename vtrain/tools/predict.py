@@ -25,10 +25,25 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils.data import DataLoader, Dataset
+from safetensors.torch import save_file
 from torchvision import tv_tensors
 from torchvision.datasets.folder import IMG_EXTENSIONS
+from torchvision.io import write_jpeg
+from torchvision.utils import draw_bounding_boxes
 
+from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING
+from vtrain.data.coco import collate, load_coco, normalize, test_transforms
+from vtrain.data.faces import load_image
+from vtrain.data.images import decode_rgb
+from vtrain.data.workers import worker_context
+from vtrain.engine.logging import console
 from vtrain.errors import VtrainError
+from vtrain.eval.coco_eval import coco_detections
+from vtrain.files import write_json_atomic
+from vtrain.models.dino import postprocess
+from vtrain.tasks.dino import test_sizes
+from vtrain.tasks.metric import flip_embeddings
+from vtrain.tools.evaluate import checkpoint_task, load_model
 
 # distinct colours for up to 20 classes (then repeated): Tableau-20 order, saturated ones first
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
@@ -88,19 +103,33 @@ class _Inputs(Dataset):
             return {"error": str(e)}
 
 
+class _Checked:
+    """Collate that passes a sample's load error on instead of collating (a class: workers receive it pickled)."""
+
+    def __init__(self, collate: Callable | None) -> None:
+        self.collate = collate or torch.utils.data.default_collate
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        bad = next((s["error"] for s in samples if "error" in s), None)
+        return {"error": bad} if bad else self.collate(samples)
+
+
 def _loader(files: list[Path], load: Callable, batch_size: int, num_workers: int, collate: Callable | None,
             device: torch.device):
-    def checked(samples: list[dict[str, Any]]):
-        bad = next((s["error"] for s in samples if "error" in s), None)
-        return {"error": bad} if bad else (collate(samples) if collate else torch.utils.data.default_collate(samples))
+    # workers from a fork server, as everywhere in vtrain (data/workers.py); `load` and `collate` are picklable
+    return DataLoader(_Inputs(files, load), batch_size=batch_size, num_workers=num_workers,
+                      collate_fn=_Checked(collate), pin_memory=device.type == "cuda",
+                      multiprocessing_context=worker_context(num_workers))
 
-    return DataLoader(_Inputs(files, load), batch_size=batch_size, num_workers=num_workers, collate_fn=checked,
-                      pin_memory=device.type == "cuda")
+
+def _max_pixels(given: int | None, saved_data: dict[str, Any]) -> int:
+    """--max-image-pixels, else the run's own limit, else PIL's default."""
+    if given is not None and not 1 <= given <= MAX_IMAGE_PIXELS_CEILING:
+        raise VtrainError(f"--max-image-pixels: must be in 1..{MAX_IMAGE_PIXELS_CEILING} pixels, got {given}")
+    return given or saved_data.get("max_image_pixels") or DEFAULT_MAX_IMAGE_PIXELS
 
 
 def _progress(total: int, what: str) -> Progress:
-    from vtrain.engine.logging import console
-
     p = Progress(TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                  TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not sys.stdout.isatty())
     p.add_task(what, total=total)
@@ -126,8 +155,7 @@ def _output(out: Path, is_dir: bool) -> None:
 def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: str | None = None,
             **options: Any) -> PredictReport:
     """Detection or embeddings, by `task` or else by the checkpoint's own task."""
-    from vtrain.tools.evaluate import checkpoint_task
-
+    _max_pixels(options.get("max_pixels"), {})  # a bad limit is reported before anything is loaded
     task = task or checkpoint_task(checkpoint)
     if task == "metric":
         options.pop("score_threshold", None)
@@ -139,19 +167,11 @@ def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: st
 
 # ---- detection ------------------------------------------------------------------------------------------------
 def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path, score_threshold: float = 0.3,
-                      batch_size: int | None = None, ann: str | None = None, num_workers: int = 2) -> PredictReport:
+                      batch_size: int | None = None, ann: str | None = None, num_workers: int = 2,
+                      max_pixels: int | None = None) -> PredictReport:
     """Draw and write the detections of every input image (see the module docstring). `ann`: a COCO annotation
     file whose `file_name`s give the image ids (and the class names if the checkpoint has none); otherwise the
     ids are 1..N in input order."""
-    from torchvision.io import write_jpeg
-
-    from vtrain.data.coco import collate, load_coco, normalize, test_transforms
-    from vtrain.data.faces import decode_rgb
-    from vtrain.eval.coco_eval import coco_detections
-    from vtrain.tools.evaluate import load_model
-    from vtrain.models.dino import postprocess
-    from vtrain.tasks.dino import test_sizes, write_json_atomic
-
     if not 0.0 <= score_threshold <= 1.0:
         raise VtrainError(f"--score-threshold: must be in [0, 1], got {score_threshold}")
     out = Path(out)
@@ -176,19 +196,9 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
                           f"({'--ann ' + str(ann) if not loaded.categories else loaded.path})")
     cat_ids = [c["id"] for c in categories]
     size, max_size = test_sizes(loaded.cfg.model.image_size, loaded.saved_data.get("max_size"))
-    resize = test_transforms(size, max_size)
-
-    def load(path: Path) -> dict[str, Any]:
-        img = decode_rgb(path)
-        return {"images": normalize(resize(tv_tensors.Image(img))), "original": img,
-                "boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long), "image_id": torch.tensor(0),
-                "orig_size": torch.tensor(img.shape[-2:])}
-
-    def collate_with_originals(samples: list[dict[str, Any]]) -> dict[str, Any]:
-        return {**collate(samples), "original": [s["original"] for s in samples]}
-
+    load = _DetectionInput(test_transforms(size, max_size), _max_pixels(max_pixels, loaded.saved_data))
     loader = _loader([f for f, _ in found], load, batch_size or loaded.cfg.train.batch_size, num_workers,
-                     collate_with_originals, device)
+                     _collate_with_originals, device)
     dets: list[dict[str, Any]] = []
     kept = 0
     with torch.no_grad():
@@ -208,11 +218,26 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
     return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device))
 
 
+class _DetectionInput:
+    """One input image for detection: evaluation's test-time resize and normalisation, and the original to draw on."""
+
+    def __init__(self, resize: Callable, max_pixels: int) -> None:
+        self.resize, self.max_pixels = resize, max_pixels
+
+    def __call__(self, path: Path) -> dict[str, Any]:
+        img = decode_rgb(path, max_pixels=self.max_pixels)
+        return {"images": normalize(self.resize(tv_tensors.Image(img))), "original": img,
+                "boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long), "image_id": torch.tensor(0),
+                "orig_size": torch.tensor(img.shape[-2:])}
+
+
+def _collate_with_originals(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**collate(samples), "original": [s["original"] for s in samples]}
+
+
 def draw(image: torch.Tensor, boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
          class_names: list[str]) -> torch.Tensor:
     """Boxes (xyxy, image pixels) on a uint8 RGB image, one colour per class, labelled "name 0.87"."""
-    from torchvision.utils import draw_bounding_boxes
-
     if len(boxes) == 0:
         return image
     h, w = image.shape[-2:]
@@ -240,20 +265,14 @@ def _image_ids(names: list[str], coco, ann: str) -> list[int]:
 
 # ---- metric ---------------------------------------------------------------------------------------------------
 def predict_embeddings(checkpoint: str | Path, inputs: list[str], out: str | Path, batch_size: int | None = None,
-                       num_workers: int = 2) -> PredictReport:
+                       num_workers: int = 2, max_pixels: int | None = None) -> PredictReport:
     """Evaluation's embeddings of every input image, written to one safetensors file (see the module docstring)."""
-    from safetensors.torch import save_file
-
-    from vtrain.data.faces import load_image
-    from vtrain.tools.evaluate import load_model
-    from vtrain.tasks.metric import flip_embeddings
-
     out = Path(out)
     _output(out, is_dir=False)
     found = find_images(inputs)
     loaded = load_model(checkpoint, "metric")
     model, device, size = loaded.model, loaded.device, loaded.cfg.model.image_size
-    loader = _loader([f for f, _ in found], lambda p: {"images": load_image(p, size)},
+    loader = _loader([f for f, _ in found], _EmbeddingInput(size, _max_pixels(max_pixels, loaded.saved_data)),
                      batch_size or loaded.cfg.train.batch_size, num_workers, None, device)
     chunks = []
     with torch.no_grad():
@@ -266,3 +285,13 @@ def predict_embeddings(checkpoint: str | Path, inputs: list[str], out: str | Pat
                         "image_size": str(size)})
     os.replace(tmp, out)
     return PredictReport("metric", len(found), [out], device=str(device))
+
+
+class _EmbeddingInput:
+    """One input image for embeddings: evaluation's resize and [-1, 1] scaling."""
+
+    def __init__(self, size: int, max_pixels: int) -> None:
+        self.size, self.max_pixels = size, max_pixels
+
+    def __call__(self, path: Path) -> dict[str, Any]:
+        return {"images": load_image(path, self.size, self.max_pixels)}

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import box_convert
 
+from vtrain.models.checkpointing import apply_spec, backbone_units
+from vtrain.models.lean import autocast_input, lean_norm
 from vtrain.models.dino.criterion import dino_loss
 from vtrain.models.dino.denoising import build_denoising
 from vtrain.models.dino.transformer import MLP, Decoder, Encoder, inverse_sigmoid, sine_position_2d
@@ -52,7 +54,7 @@ class Backbone(nn.Module):
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         feats = self.body.forward_intermediates(x, indices=self.indices, intermediates_only=True)
         if self.out_norms is not None:
-            feats = [n(f.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) for n, f in zip(self.out_norms, feats)]
+            feats = [lean_norm(n, f.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) for n, f in zip(self.out_norms, feats)]
         return feats
 
 
@@ -73,17 +75,18 @@ class ChannelMapper(nn.Module):
                 nn.init.xavier_uniform_(m.weight)
 
     def forward(self, feats: list[torch.Tensor]) -> list[torch.Tensor]:
-        outs = [lat(f) for lat, f in zip(self.lateral, feats)]
+        # conv -> GroupNorm; the GN's fp32 copy of the 16-bit conv output is made again in backward (lean.py)
+        outs = [lean_norm(lat[1], lat[0](f)) for lat, f in zip(self.lateral, feats)]
         x = feats[-1]
         for conv in self.extra:
-            x = conv(x)
+            x = lean_norm(conv[1], conv[0](x))
             outs.append(x)
         return outs
 
 
 class DINO(nn.Module):
     def __init__(self, preset: str | DinoPreset, num_classes: int, drop_path: float | None = None,
-                 num_queries: int | None = None, dn_queries: int | None = None) -> None:
+                 num_queries: int | None = None, dn_queries: int | None = None, ffn_recompute: bool = True) -> None:
         super().__init__()
         p = DINO_PRESETS[preset]() if isinstance(preset, str) else preset
         self.preset = p
@@ -95,6 +98,8 @@ class DINO(nn.Module):
         self.neck = ChannelMapper(self.backbone.channels, d, p.levels)
         self.level_embed = nn.Parameter(torch.empty(p.levels, d))
         self.encoder = Encoder(p.enc_layers, d, p.ffn, p.levels, p.heads, p.points)
+        for layer in self.encoder.layers:  # ModelConfig.ffn_recompute: the encoder FFN's hidden layer
+            layer.ffn.recompute_hidden = ffn_recompute
         self.decoder = Decoder(p.dec_layers, d, p.ffn, p.levels, p.heads, p.points)
         # two-stage: proposals from the encoder memory
         self.memory_proj = nn.Linear(d, d)
@@ -119,13 +124,16 @@ class DINO(nn.Module):
             nn.init.zeros_(h.layers[-1].bias)
 
     # ---- activation checkpointing --------------------------------------------------------------------------
-    def set_grad_checkpointing(self, parts: list[str]) -> None:
-        """Non-reentrant checkpointing per block of `backbone`, `encoder` and/or `decoder`."""
-        if "backbone" in parts:
-            timm.layers.set_reentrant_ckpt(False)
-            self.backbone.body.set_grad_checkpointing(True)
-        self.encoder.grad_ckpt = "encoder" in parts
-        self.decoder.grad_ckpt = "decoder" in parts
+    def recompute_units(self) -> dict[str, tuple[nn.Module, ...]]:
+        """Recompute units in forward order: backbone stages (or blocks), then each encoder and decoder layer."""
+        units = backbone_units(self.backbone.body)
+        units.update({f"encoder.{i}": (layer,) for i, layer in enumerate(self.encoder.layers)})
+        units.update({f"decoder.{i}": (layer,) for i, layer in enumerate(self.decoder.layers)})
+        return units
+
+    def set_grad_checkpointing(self, spec: str | list[str]) -> None:
+        """Checkpoint the units a `--grad-ckpt` value names (e.g. ["backbone", "encoder:0-2", "sac:decoder"])."""
+        apply_spec(self, spec)
 
     # ---- forward pieces ----------------------------------------------------------------------------------------
     def _flatten(self, feats: list[torch.Tensor], mask: torch.Tensor):
@@ -166,6 +174,12 @@ class DINO(nn.Module):
         logit = torch.log(props / (1 - props)).masked_fill(~valid[..., None], float("inf"))
         return logit, valid
 
+    def _proposal_embed(self, memory: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return lean_norm(self.memory_norm, self.memory_proj(memory.masked_fill(~valid[..., None], 0.0)))
+
+    def _proposal_logits(self, memory: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return self.cls_heads[-1](self._proposal_embed(memory, valid))
+
     def forward(self, images: torch.Tensor, masks: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 boxes: torch.Tensor | None = None, num_targets: torch.Tensor | None = None) -> dict:
         """images (B, 3, H, W), masks (B, H, W) True on padding; targets padded: labels (B, M), boxes (B, M, 4)
@@ -175,18 +189,25 @@ class DINO(nn.Module):
             masks = torch.zeros(b, *images.shape[-2:], dtype=torch.bool, device=images.device)
         feats = self.neck(self.backbone(images))
         src, mask, pos, shapes, ratios = self._flatten(feats, masks)
+        del feats  # (the del's: the forward's peak is its end; what backward does not keep goes at once)
         memory = self.encoder(src, pos, shapes, ratios, mask)
+        del src, pos
 
-        # two-stage mixed query selection: top-k proposals give anchors, content queries are learned
+        # two-stage mixed query selection: top-k proposals give anchors, content queries are learned. Every token is
+        # scored, but a loss reaches only the k chosen ones: the proposal heads run again, with gradients, on those
+        # k rows alone, so backward keeps k rows instead of every token's (about 0.6 GiB at 800x1333, batch 2)
         anchors, valid = self._proposals(memory, mask, shapes)
-        mem = self.memory_norm(self.memory_proj(memory.masked_fill(~valid[..., None], 0.0)))
-        enc_logits = self.cls_heads[-1](mem)
-        enc_coord = self.reg_heads[-1](mem).float() + anchors
-        k = min(self.num_queries, mem.shape[1])
-        score = enc_logits.detach().float().max(-1)[0].masked_fill(~valid, float("-inf"))
+        k = min(self.num_queries, memory.shape[1])
+        with torch.no_grad():
+            score = self._proposal_logits(memory, valid).float().max(-1)[0].masked_fill(~valid, float("-inf"))
         topk = score.topk(k, dim=1)[1]
-        enc_logits_k = enc_logits.gather(1, topk[..., None].expand(-1, -1, self.num_classes))
-        enc_coord_k = enc_coord.gather(1, topk[..., None].expand(-1, -1, 4))
+        rows = topk[..., None]
+        chosen = memory.gather(1, rows.expand(-1, -1, memory.shape[-1]))
+        mem = self._proposal_embed(chosen, valid.gather(1, topk))
+        enc_logits_k = self.cls_heads[-1](mem)
+        enc_coord_k = self.reg_heads[-1](mem).float() + anchors.gather(1, rows.expand(-1, -1, 4))
+        del mem, score
+        memory = autocast_input(memory)  # the decoder's value projections share one 16-bit copy (lean.py)
         query = self.query_embed(torch.arange(k, device=images.device))[None].expand(b, -1, -1)
         reference = enc_coord_k.detach()
 

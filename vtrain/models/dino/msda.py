@@ -8,8 +8,10 @@
 - `pytorch`: one bilinear `grid_sample` per level (zeros padding, align_corners=False), as the reference
   fallbacks in docs/dino.md §3; the reference for the tests and the CPU path. It keeps every sampled value for
   backward (about 1.8 GB per encoder layer and image at 800x1333, 5 scales).
-- `auto`: Triton for CUDA tensors in fp32/bf16/fp16, the PyTorch path otherwise (`auto_impl` changes that choice,
-  for the memory estimator tracing a GPU run on CPU).
+- `auto`: Triton for CUDA tensors in fp32/bf16/fp16 when the kernels can run there, the PyTorch path otherwise
+  (`auto_impl` changes that choice, for the memory estimator tracing a GPU run on CPU). Whether they can run is
+  decided once per process, on the first CUDA call, and agreed by every rank (`_triton_usable`); a fallback is
+  announced by one warning line naming the reason. `triton` never falls back: it raises.
 
 Both compute in fp32 (fp64 for fp64 inputs in the PyTorch path) and return value's dtype, so the op needs no
 fp32 island around it: sampling locations stay fp32 (coordinate math must, docs/msda_kernels.md §1.6), value and
@@ -19,6 +21,7 @@ output may be bf16.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator, Sequence
 
@@ -26,9 +29,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vtrain.dist import all_true as _all_true  # module-level name: tests/test_msda.py stands in for the ranks' verdict
+from vtrain.models.lean import autocast_input, remat
+
 IMPLS = ("auto", "triton", "pytorch")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Triton's own floor for NVIDIA GPUs, and the first architecture with bf16 arithmetic and the tiling the kernels
+# were checked for (docs/msda_roofline.md §4).
+MIN_CAPABILITY = (8, 0)
 _auto_override: str | None = None  # what impl="auto" resolves to inside `auto_impl`
+_fallback_reason: str | None = None  # None: not decided yet; "": the Triton kernels run; else why they do not
+_triton_reason: str | None = None  # impl="triton" on a GPU: None unchecked, "" fine, else why it cannot run
+_log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -51,10 +63,19 @@ def resolve_impl(impl: str, value: Tensor, sampling_locations: Tensor, attention
         raise ValueError(f"ms_deform_attn: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     supported = all(t.dtype in KERNEL_DTYPES for t in (value, sampling_locations, attention_weights))
     if impl == "auto":
-        impl = _auto_override or ("triton" if value.device.type == "cuda" and supported else "pytorch")
+        if _auto_override:
+            return _auto_override
+        gpu = _on_gpu(value) and supported
+        return "triton" if gpu and _triton_usable(value, sampling_locations, attention_weights) else "pytorch"
     if impl == "triton" and not supported:
         raise ValueError("ms_deform_attn(impl='triton'): inputs must be fp32, bf16 or fp16, got "
                          f"{value.dtype}, {sampling_locations.dtype}, {attention_weights.dtype}")
+    if impl == "triton" and _on_gpu(value):
+        if _triton_reason is None:
+            _check_triton(value)
+        if _triton_reason:
+            raise RuntimeError(f"ms_deform_attn(impl='triton'): {_triton_reason} (impl='auto' would use the PyTorch "
+                               "path)")
     return impl
 
 
@@ -107,6 +128,88 @@ def ms_deform_attn_pytorch(value: Tensor, spatial_shapes: Sequence[tuple[int, in
             wl = weights[:, :, :, lvl].transpose(1, 2).reshape(b * heads, 1, q, points)
             out = out + (sampled * wl).sum(-1)
         return out.view(b, heads * dim, q).transpose(1, 2).contiguous().to(value.dtype)
+
+
+# ---- impl="auto" on a GPU: can the Triton kernels run here? -------------------------------------------------------
+def _on_gpu(t: Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _gpu_capability(t: Tensor) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(t.device)
+
+
+def _import_reason() -> str | None:
+    try:
+        from vtrain.models.dino import msda_triton  # noqa: F401  (triton itself, and the kernels' decoration)
+    except Exception as e:  # ImportError, or a triton that fails while importing
+        return f"Triton is not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def _capability_reason(value: Tensor) -> str | None:
+    cap = _gpu_capability(value)
+    if tuple(cap) < MIN_CAPABILITY:
+        return (f"the GPU has compute capability {cap[0]}.{cap[1]}, the Triton kernels need "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer")
+    return None
+
+
+def _launch_reason(value: Tensor, loc: Tensor, attn: Tensor) -> str | None:
+    """One tiny forward and backward through the custom ops with this call's dtypes, heads, channels, levels and
+    points: it compiles the kernel variants the run will launch (Triton caches them) and surfaces compile and
+    launch errors here, synchronised, rather than in the middle of a step."""
+    _, _, m, d = value.shape
+    levels, points = loc.shape[3], loc.shape[4]
+    like = {"device": value.device}
+    try:
+        with torch.no_grad():
+            v = torch.zeros(1, 4 * levels, m, d, dtype=value.dtype, **like)
+            lc = torch.full((1, 1, m, levels, points, 2), 0.5, dtype=loc.dtype, **like)
+            a = torch.full((1, 1, m, levels, points), 1.0 / (levels * points), dtype=attn.dtype, **like)
+            out = torch.ops.vtrain.ms_deform_attn(v, [2, 2] * levels, lc, a)
+            torch.ops.vtrain.ms_deform_attn_backward(torch.ones_like(out), v, [2, 2] * levels, lc, a)
+            if value.device.type == "cuda":
+                torch.cuda.synchronize(value.device)
+    except Exception as e:  # triton's CompilationError, an out-of-resources launch, a driver error...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"compiling or launching the Triton kernels failed ({type(e).__name__}: {first})"
+    return None
+
+
+@torch.compiler.disable
+def _check_triton(value: Tensor) -> None:
+    """impl="triton" on a GPU: the import and the capability, checked once per process (a failure raises)."""
+    global _triton_reason
+    _triton_reason = _import_reason() or _capability_reason(value) or ""
+
+
+def _triton_usable(value: Tensor, loc: Tensor, attn: Tensor) -> bool:
+    """Whether impl="auto" runs the Triton kernels: decided on the first call (`_decide`) and kept for the process.
+    After that a plain read of a module global, which torch.compile folds into its graph without a break."""
+    if _fallback_reason is None:
+        _decide(value, loc, attn)
+    return _fallback_reason == ""
+
+
+@torch.compiler.disable  # run eagerly, on real tensors: never traced into a compiled graph
+def _decide(value: Tensor, loc: Tensor, attn: Tensor) -> None:
+    """Reasons not to run the kernels, checked in order: Triton is not importable, the GPU is older than
+    MIN_CAPABILITY, the first compile and launch fail. Every rank takes part in one MIN all-reduce of its verdict
+    before any rank uses the kernels, so all ranks run the same implementation (one falling back alone would
+    run different code, with different memory). A fallback is announced with one warning line naming the
+    reason."""
+    global _fallback_reason
+    from torch._subclasses.fake_tensor import is_fake
+
+    if _fallback_reason is not None or is_fake(value):
+        return  # decided already, or traced under FakeTensorMode (nothing runs): decide on a real call
+    reason = _import_reason() or _capability_reason(value) or _launch_reason(value, loc, attn)
+    if not _all_true(reason is None, value.device) and reason is None:
+        reason = "the Triton kernels cannot run on another rank of this job"
+    _fallback_reason = reason or ""
+    if reason:
+        _log.warning("ms_deform_attn(impl='auto') falls back to the PyTorch path for this run: %s", reason)
 
 
 # ---- the custom op (Triton kernels behind it) -------------------------------------------------------------------
@@ -204,18 +307,27 @@ class MSDeformAttn(nn.Module):
         if padding_mask is not None:
             v = v.masked_fill(padding_mask[..., None], 0.0)
         v = v.view(b, s, self.heads, self.dim // self.heads)
+        query = autocast_input(query)  # one 16-bit copy for both projections below (lean.py)
         offsets = self.sampling_offsets(query).view(b, q, self.heads, self.levels, self.points, 2)
-        weights = self.attention_weights(query).view(b, q, self.heads, self.levels * self.points)
-        weights = weights.float().softmax(-1).view(b, q, self.heads, self.levels, self.points)
-        # fp32 reference points promote the (possibly bf16) offsets: the locations are fp32 without a copy
+        logits = self.attention_weights(query).view(b, q, self.heads, self.levels * self.points)
         ref = reference_points.float()
+        if ref.shape[-1] not in (2, 4):
+            raise ValueError(f"reference_points must end in 2 or 4 values, got {tuple(ref.shape)}")
+        # the op keeps the fp32 locations and weights for backward; they are made again there from the 16-bit
+        # offsets and logits (half the bytes), the same ops on the same tensors (lean.py)
+        out = remat(lambda loc, weights: ms_deform_attn(v, spatial_shapes, loc, weights),
+                    (self._locations, (ref, offsets, spatial_shapes)), (self._weights, (logits,)))
+        # out is in v's dtype, which is what output_proj computes in (autocast's dtype, or its own weights')
+        return self.output_proj(out)
+
+    def _weights(self, logits: Tensor) -> Tensor:
+        b, q = logits.shape[:2]
+        return logits.float().softmax(-1).view(b, q, self.heads, self.levels, self.points)
+
+    def _locations(self, ref: Tensor, offsets: Tensor, spatial_shapes: list[tuple[int, int]]) -> Tensor:
+        # fp32 reference points promote the (possibly bf16) offsets: the locations are fp32 without a copy
         if ref.shape[-1] == 2:
             # offsets are in pixels of each level: normalise by (w, h)
-            norm = torch.tensor([[w, h] for h, w in spatial_shapes], dtype=torch.float32, device=query.device)
-            loc = ref[:, :, None, :, None, :] + offsets / norm[None, None, None, :, None, :]
-        elif ref.shape[-1] == 4:
-            loc = ref[:, :, None, :, None, :2] + offsets / self.points * ref[:, :, None, :, None, 2:] * 0.5
-        else:
-            raise ValueError(f"reference_points must end in 2 or 4 values, got {tuple(ref.shape)}")
-        # out is in v's dtype, which is what output_proj computes in (autocast's dtype, or its own weights')
-        return self.output_proj(ms_deform_attn(v, spatial_shapes, loc, weights))
+            norm = torch.tensor([[w, h] for h, w in spatial_shapes], dtype=torch.float32, device=ref.device)
+            return ref[:, :, None, :, None, :] + offsets / norm[None, None, None, :, None, :]
+        return ref[:, :, None, :, None, :2] + offsets / self.points * ref[:, :, None, :, None, 2:] * 0.5

@@ -2,7 +2,8 @@
 
 Sizes and constants follow the recipe in docs/dino.md §1 (6+6 layers, 256-d, 8 heads, 4 points,
 FFN 2048, dropout 0, sine positions with temperature 20, 900 queries). Blocks are named `...Block` so the
-engine's per-block FSDP2 sharding and activation checkpointing find them.
+engine's per-block FSDP2 sharding finds them; each layer is one recompute unit (`encoder.N`, `decoder.N`,
+models/checkpointing.py), checkpointed on the block itself.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from vtrain.models.checkpointing import recompute_mode, set_recompute
 from vtrain.models.dino.msda import MSDeformAttn
+from vtrain.models.lean import autocast_input, relu_single_use, remat
 
 
 def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
@@ -68,13 +70,23 @@ class MLP(nn.Module):
 
 
 class FFN(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    """Post-norm FFN. With `recompute_hidden` (the encoder's: 2048 wide over every token of every level) backward
+    makes the ReLU output again from the 16-bit input instead of keeping it, 8x the input's bytes, at the cost of
+    one more fc1 matmul (lean.py; the same ops on the same tensors, so the same values)."""
+
+    def __init__(self, dim: int, hidden: int, recompute_hidden: bool = False) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
         self.norm = nn.LayerNorm(dim)
+        self.recompute_hidden = recompute_hidden
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.fc2(F.relu(self.fc1(x))))
+        if self.recompute_hidden:
+            return self.norm(x + remat(self.fc2, (self._hidden, (autocast_input(x),))))
+        return self.norm(x + self.fc2(self._hidden(x)))
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return relu_single_use(self.fc1(x))
 
 
 class EncoderBlock(nn.Module):
@@ -84,7 +96,7 @@ class EncoderBlock(nn.Module):
         super().__init__()
         self.attn = MSDeformAttn(dim, levels, heads, points)
         self.norm = nn.LayerNorm(dim)
-        self.ffn = FFN(dim, ffn)
+        self.ffn = FFN(dim, ffn, recompute_hidden=True)
 
     def forward(self, src: torch.Tensor, pos: torch.Tensor, reference_points: torch.Tensor,
                 spatial_shapes: list[tuple[int, int]], padding_mask: torch.Tensor) -> torch.Tensor:
@@ -113,17 +125,26 @@ class DecoderBlock(nn.Module):
         return self.ffn(tgt)
 
 
-def _maybe_checkpoint(enabled: bool, fn, *args):
-    if enabled and torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
+class _Layers(nn.Module):
+    """A stack of blocks whose `grad_ckpt` switches full checkpointing of every layer (the units `encoder.N` /
+    `decoder.N` one by one: models/checkpointing.py)."""
+
+    layers: nn.ModuleList
+
+    @property
+    def grad_ckpt(self) -> bool:
+        return all(recompute_mode(layer) == "full" for layer in self.layers)
+
+    @grad_ckpt.setter
+    def grad_ckpt(self, enabled: bool) -> None:
+        for layer in self.layers:
+            set_recompute(layer, "full" if enabled else None)
 
 
-class Encoder(nn.Module):
+class Encoder(_Layers):
     def __init__(self, layers: int, dim: int, ffn: int, levels: int, heads: int, points: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(EncoderBlock(dim, ffn, levels, heads, points) for _ in range(layers))
-        self.grad_ckpt = False
 
     @staticmethod
     def reference_points(spatial_shapes: list[tuple[int, int]], valid_ratios: torch.Tensor) -> torch.Tensor:
@@ -142,12 +163,11 @@ class Encoder(nn.Module):
     def forward(self, src, pos, spatial_shapes, valid_ratios, padding_mask):
         ref = self.reference_points(spatial_shapes, valid_ratios)
         for layer in self.layers:
-            src = _maybe_checkpoint(self.grad_ckpt, lambda s, p, r, m, layer=layer: layer(s, p, r, spatial_shapes, m),
-                                    src, pos, ref, padding_mask)
+            src = layer(src, pos, ref, spatial_shapes, padding_mask)
         return src
 
 
-class Decoder(nn.Module):
+class Decoder(_Layers):
     """Iterative box refinement with look-forward-twice: the box predicted by layer i is
     sigmoid(delta_i + logit(ref_{i-1})) with ref_{i-1} *not* detached (its gradient reaches layer i-1), while
     the reference the next layer samples from is detached (DINO paper arXiv:2203.03605 §3.5; MMD DinoTransformerDecoder)."""
@@ -158,7 +178,6 @@ class Decoder(nn.Module):
         self.ref_point_head = MLP(2 * dim, dim, dim, 2)
         self.norm = nn.LayerNorm(dim)
         self.dim = dim
-        self.grad_ckpt = False
 
     def forward(self, query, reference, memory, spatial_shapes, valid_ratios, memory_mask, attn_mask,
                 reg_branches: nn.ModuleList) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -166,13 +185,11 @@ class Decoder(nn.Module):
         the reference boxes each layer's prediction starts from (undetached)."""
         hidden, refs = [], [reference]
         ratios = torch.cat([valid_ratios, valid_ratios], -1)[:, None]  # (B, 1, L, 4)
+        memory = autocast_input(memory)  # one 16-bit copy for every layer's value projection (lean.py)
         for i, layer in enumerate(self.layers):
             ref_input = reference.detach()[:, :, None] * ratios
             query_pos = self.ref_point_head(sine_position_boxes(ref_input[:, :, 0], self.dim // 2).to(query.dtype))
-            query = _maybe_checkpoint(
-                self.grad_ckpt,
-                lambda q, qp, r, m, layer=layer: layer(q, qp, r, m, spatial_shapes, memory_mask, attn_mask),
-                query, query_pos, ref_input, memory)
+            query = layer(query, query_pos, ref_input, memory, spatial_shapes, memory_mask, attn_mask)
             new_ref = (reg_branches[i](query).float() + inverse_sigmoid(reference.detach().float())).sigmoid()
             hidden.append(self.norm(query))
             refs.append(new_ref)

@@ -1,0 +1,45 @@
+"""Places on disk every layer shares: the data cache (VTRAIN_CACHE, default ~/.cache/vtrain), the check of a path
+that must be or become a directory, and the one atomic JSON writer.
+
+The lowest layer (it imports only `errors`): config validation checks the cache before start-up, the data layer
+writes generated data into it, and tasks, engine and tools all write JSON files that must never be seen half
+written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from vtrain.errors import VtrainError
+
+
+def directory_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be (or become) a directory: it, or the nearest part of it that exists, is a file."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        return f"{p} is a file, not a directory" + (f" (in {path})" if p != Path(path) else "")
+    return None
+
+
+def cache_root() -> Path:
+    """The data cache directory; a VTRAIN_CACHE that cannot be a directory is an error naming it."""
+    root = Path(os.environ.get("VTRAIN_CACHE", Path.home() / ".cache" / "vtrain"))
+    problem = directory_problem(root)
+    if problem is not None:
+        raise VtrainError(f"VTRAIN_CACHE: {problem}")
+    return root
+
+
+def write_json_atomic(path: str | Path, obj: Any, indent: int | None = None) -> None:
+    """Write `obj` as JSON to `path` through a hidden temp file beside it and a rename, so a reader (or a crash)
+    never sees half a file; the parent directory is created when missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=indent))
+    os.replace(tmp, path)

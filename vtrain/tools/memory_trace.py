@@ -1,0 +1,221 @@
+"""The activation memory of one training step, traced without a GPU (docs/memory_ckpt.md §1; the bare § numbers
+below are sections of that page).
+
+One real forward + backward of the actual vtrain model, at the requested batch and resolution, under
+FakeTensorMode (no memory, no GPU), recording every storage the step creates and frees (`LiveBytes`); the peak
+of live activations and temporaries, gradients excluded (they are counted with the model states, memory.py). The
+model is built on `meta` and materialised with `to_empty` inside fake mode (timm's __init__ reads values, §1.3).
+CPU autocast keeps layer_norm/group_norm/softmax in bf16 where CUDA autocast runs them in fp32 (§1.3);
+`cuda_autocast_policy` applies CUDA's fp32 list on top of CPU autocast so the trace matches a GPU run, and SDPA with a
+trainable bias goes through CUDA's memory-efficient kernel where CPU would fall back to the math kernel. DINO's
+deformable attention is traced as the op a GPU run calls, the fused Triton custom op: its fake kernel's
+output, the three tensors its autograd saves and the fp32 value-gradient accumulator of its backward (the
+grid_sample path, which the CPU uses, keeps every sampled value: about 1.8 GB per encoder layer and image).
+
+`allocator_peak` is the independent reference the tests hold the trace against: one real CPU step measured by
+the CPU allocator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from vtrain.config import ModelConfig
+from vtrain.data.coco import PAD_DIVISOR
+from vtrain.models.dino.msda import auto_impl
+from vtrain.tasks.model import build_model as build_task_model
+from vtrain.tools.memory_setup import Setup
+
+# CUDA autocast's fp32 list, for the functions these models call (torch.amp "CUDA Ops that can autocast to
+# float32"); CPU autocast leaves them in bf16 (docs/memory_ckpt.md §1.3).
+_CUDA_FP32 = [(F, "layer_norm"), (F, "group_norm"), (F, "softmax"), (F, "log_softmax"), (F, "normalize"),
+              (F, "cross_entropy"), (F, "l1_loss"), (F, "binary_cross_entropy_with_logits"),
+              (torch.Tensor, "softmax"), (torch.Tensor, "log_softmax")]
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy():
+    """On top of CPU autocast, run CUDA's fp32-list functions on fp32 inputs, as CUDA autocast does. The
+    functions are swapped for the duration of the trace (not a TorchFunctionMode: checkpointed blocks recompute
+    inside the autograd engine, where such modes are not active, and the recomputation must match)."""
+    def upcast(fn):
+        def wrapper(*args, **kwargs):
+            def up(x):
+                return x.float() if isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16) else x
+
+            return fn(*(up(a) for a in args), **{k: up(v) for k, v in kwargs.items()})
+
+        return wrapper
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name in _CUDA_FP32]
+    sdpa = F.scaled_dot_product_attention
+    try:
+        for owner, name, fn in saved:
+            setattr(owner, name, upcast(fn))
+        F.scaled_dot_product_attention = _cuda_sdpa(sdpa)
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+        F.scaled_dot_product_attention = sdpa
+
+
+def _cuda_sdpa(sdpa):
+    """SDPA as a CUDA run picks its kernel. With a float bias that needs a gradient (Swin's relative-position bias,
+    models/swin_attention.py) CPU falls back to the math kernel, which materialises the attention matrix in fp32;
+    CUDA runs the memory-efficient kernel (torch's priority order: flash, which takes no bias, then
+    memory-efficient), which takes the bias broadcast (stride 0) and saves q, k, v, out and the log-sum-exp. Traced through that kernel's own
+    op, whose fake kernel runs on CPU tensors; the bias cast to the compute dtype as CUDA autocast casts it."""
+    def wrapper(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if attn_mask is None or attn_mask.dtype == torch.bool or not attn_mask.requires_grad or kwargs:
+            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
+        if torch.is_autocast_enabled("cpu"):
+            q, k, v = (t.to(torch.get_autocast_dtype("cpu")) for t in (q, k, v))
+        bias = attn_mask.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal,
+                                                                       scale=scale)[0]
+
+    return wrapper
+
+
+def step_inputs(setup: Setup, device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch one training step of `setup` gets (random images, one class or `num_targets` boxes each)."""
+    h, w = setup.image_size
+    b = setup.batch_size
+    if setup.task == "dino":
+        # batches are padded to a multiple of 32 with a mask, as the data loader does
+        ph, pw = -(-h // PAD_DIVISOR) * PAD_DIVISOR, -(-w // PAD_DIVISOR) * PAD_DIVISOR
+        masks = torch.ones(b, ph, pw, dtype=torch.bool, device=device)
+        masks[:, :h, :w] = False
+        t = setup.num_targets
+        with unset_fake_temporarily():  # a real host tensor: the model reads the per-image counts from it
+            counts = torch.full((b,), t)
+        boxes = torch.rand(b, t, 4, device=device) * 0.4 + 0.3
+        return {"images": torch.randn(b, 3, ph, pw, device=device), "masks": masks,
+                "labels": torch.zeros(b, t, dtype=torch.long, device=device), "boxes": boxes,
+                "num_targets": counts}
+    return {"images": torch.randn(b, 3, h, w, device=device),
+            "labels": torch.zeros(b, dtype=torch.long, device=device)}
+
+
+def build_model(setup: Setup) -> nn.Module:
+    """The task's real model (tasks.build_model), default head settings, the Setup's checkpointing."""
+    size = setup.image_size[0] if setup.task == "metric" else ModelConfig.image_size  # DINO takes any size
+    m = ModelConfig(preset=setup.preset, image_size=size, grad_ckpt=list(setup.grad_ckpt),
+                    ffn_recompute=setup.ffn_recompute)
+    return build_task_model(setup.task, m, setup.num_classes)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Every storage an op creates, with its size, and when it dies: O(1) per op (torch's MemTracker rescans all
+    live storages on every op, which takes minutes for Swin-L DINO). Sizes are rounded up to 512 bytes like the
+    CUDA caching allocator. Storages that existed before (parameters, buffers, inputs) are not counted."""
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.events: list[tuple[int, int]] = []  # (key, +bytes) on creation, (key, -bytes) on release
+        self.keys = WeakIdKeyDictionary()
+        self.next_key = 0
+        # views of what already exists (`weight.t()` in every fp32 linear) are not new memory
+        for t in existing:
+            self.keys[t.untyped_storage()] = -1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st not in self.keys:
+                    key, n = self.next_key, -(-st.nbytes() // 512) * 512
+                    self.next_key += 1
+                    self.keys[st] = key
+                    self.events.append((key, n))
+                    weakref.finalize(st, self.events.append, (key, -n))
+        return out
+
+    def key_of(self, t: torch.Tensor) -> int | None:
+        return self.keys.get(t.untyped_storage())
+
+    def peak(self, exclude: set[int]) -> int:
+        live = peak = 0
+        for key, n in self.events:
+            if key not in exclude and key >= 0:
+                live += n
+                peak = max(peak, live)
+        return peak
+
+
+def trace_step(setup: Setup, fake: bool = True) -> dict[str, int]:
+    """One forward + backward of the real model under fake tensors. Returns the peak bytes of everything the
+    step creates except gradients (`Activation`: saved activations and temporaries together) and the peak of
+    everything the step creates (`Peak`, gradients included). fake=False runs real CPU tensors."""
+    torch.manual_seed(0)
+    if fake:
+        with torch.device("meta"):
+            model = build_model(setup)
+    else:
+        model = build_model(setup)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    policy = cuda_autocast_policy() if setup.autocast_policy == "cuda" else contextlib.nullcontext()
+    kernel = auto_impl(setup.resolved_msda_impl())
+    amp = (torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[setup.precision])
+           if setup.precision != "no" else contextlib.nullcontext())
+    torch.manual_seed(0)
+    with mode:
+        if fake:
+            model.to_empty(device="cpu")
+        model.train()
+        inputs = step_inputs(setup, torch.device("cpu"))
+        tracker = LiveBytes([*model.parameters(), *model.buffers(),
+                             *(t for t in inputs.values() if isinstance(t, torch.Tensor))])
+        # the policy and the kernel choice stay on in backward: checkpointed blocks recompute under them
+        with tracker, policy, kernel:
+            with amp:
+                out = model(**inputs)
+            out["loss"].float().backward()
+        grads = {tracker.key_of(p.grad) for p in model.parameters() if p.grad is not None} - {None}
+    return {"Activation": tracker.peak(grads), "Peak": tracker.peak(set())}
+
+
+def profiled_peak(step) -> int:
+    """Peak bytes the CPU allocator held while `step()` ran, from its own allocation/free events as
+    torch.profiler records them (profile_memory=True); counted from zero at the start."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+def allocator_peak(setup: Setup) -> int:
+    """The validation reference for `trace_step`'s `Peak`, independent of it: one real step on CPU tensors,
+    measured by the CPU allocator (`profiled_peak`). Peak of the bytes the step allocated, gradients included.
+    (torch's MemTracker was tried first: it agrees without checkpointing, but under checkpointing reports about
+    30% below the allocator, its documented attribution limit.) CPU autocast only: compare with
+    autocast_policy="cpu". With msda_impl="triton" the fused op runs in the Triton interpreter
+    (TRITON_INTERPRET=1), whose launchers allocate exactly what they do on a GPU."""
+    torch.manual_seed(0)
+    model = build_model(setup)
+    model.train()
+    inputs = step_inputs(setup, torch.device("cpu"))
+
+    def step() -> None:
+        with auto_impl(setup.resolved_msda_impl()):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.precision == "bf16"):
+                out = model(**inputs)
+            out["loss"].float().backward()
+
+    return profiled_peak(step)
