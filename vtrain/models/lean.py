@@ -11,7 +11,9 @@ CUDA autocast makes for layer/group norms (its fp32 list) and that the norm woul
 
 Both work through `torch.autograd.graph.saved_tensors_hooks`, which would take the saved tensors away from an
 enclosing activation checkpoint (it installs such hooks too): where any saved-tensor hooks are already active,
-they compute plainly and keep what autograd keeps (a checkpointed unit keeps nothing of it anyway).
+they compute plainly and keep what autograd keeps (a checkpointed unit keeps nothing of it anyway). Under
+`torch.compile` they compute plainly too: dynamo cannot trace the hook stack or storage identities (each use would
+break the graph), and AOTAutograd's partitioner already chooses what backward keeps and what it recomputes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from torch.autograd.graph import saved_tensors_hooks
 
 _LOW = (torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
+
+
+def _plain() -> bool:
+    """Compute plainly: nothing is saved for backward, saved-tensor hooks are active (activation checkpointing,
+    selective or full, or a user's), or dynamo is tracing (its own partitioner decides what backward keeps)."""
+    return not torch.is_grad_enabled() or torch.compiler.is_compiling() or _hooks_active()
 
 
 def _hooks_active() -> bool:
@@ -98,7 +106,7 @@ def _record(run: Callable[[], Any]) -> tuple[Any, list[_Saved]]:
 def remat(consumer: Callable[..., Any], *products: tuple[Callable[..., Tensor], tuple[Any, ...]]) -> Any:
     """`consumer(*outs)` with `outs[i] = producer_i(*args_i)` for `products = ((producer_i, args_i), ...)`; backward
     keeps the `args_i` instead of whatever it saves of the outputs (each made again when first needed)."""
-    if not torch.is_grad_enabled() or _hooks_active():
+    if _plain():
         return consumer(*(fn(*args) for fn, args in products))
     outs: list[Tensor] = []
 
@@ -118,7 +126,7 @@ def remat(consumer: Callable[..., Any], *products: tuple[Callable[..., Tensor], 
 def lean_norm(norm: nn.Module, x: Tensor) -> Tensor:
     """`norm(x)` for a LayerNorm or GroupNorm; if autocast runs it on an fp32 copy of the 16-bit `x` (CUDA's fp32
     list), that copy is made again from `x` in backward instead of being kept (half the bytes)."""
-    if x.dtype not in _LOW or not torch.is_grad_enabled() or _hooks_active():
+    if x.dtype not in _LOW or _plain():
         return norm(x)
     y, saved = _record(lambda: norm(x))
     own = {id(p) for p in norm.parameters()}
@@ -162,5 +170,8 @@ class _Relu(torch.autograd.Function):
 
 
 def relu_single_use(x: Tensor) -> Tensor:
-    """`relu(x)` for an output used once (see _Relu); the same values forward and backward."""
-    return _Relu.apply(x) if torch.is_grad_enabled() and x.requires_grad else torch.relu(x)
+    """`relu(x)` for an output used once (see _Relu); the same values forward and backward. Plain under
+    torch.compile: the traced backward is functional, and the compiler plans its buffers itself."""
+    if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+        return _Relu.apply(x)
+    return torch.relu(x)
