@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch._dynamo.eval_frame import _get_total_cache_entry_count
 from torch._dynamo.utils import counters
 
-from conftest import metrics, ok, run_info, vtrain
+from conftest import launch, metrics, ok, run_info, vtrain
 from vtrain.engine.checkpoint import complete_checkpoints
 from vtrain.engine.compile import _run_region, apply_compile, compile_groups, compiled_regions
 from vtrain.models.dino import DINO
@@ -150,3 +150,24 @@ def test_encoder_layer_with_the_fused_op_compiles_whole_once_for_all_level_shape
     # one graph for the three sets of level shapes: sizes are symbolic from the first compile (as for DINO training)
     # and the level shapes reach the op as SymInts, no guard on their values
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.slow
+def test_two_process_fsdp2_with_checkpointing_compiles_each_block_inside_its_unit(faces, tmp_path):
+    """FSDP2 over 2 gloo processes, every backbone block checkpointed: compile goes after checkpointing and before
+    `fully_shard` (the FSDP unit's all-gather hooks run eagerly around the compiled forward). Traced with
+    `aot_eager`, which runs the same aten ops as eager, so the losses are the eager run's to float32 rounding."""
+    config = tmp_path / "aot.yaml"
+    config.write_text("train:\n  compile_backend: aot_eager\n")
+    args = ["train", "--data", str(faces), "--max-steps", "2", "--grad-ckpt", "backbone", *COMMON]
+    ok(launch(2, *args, "--output-dir", str(tmp_path / "eager"), accelerate_config="fsdp.yaml"))
+    ok(launch(2, *args, "--output-dir", str(tmp_path / "compiled"), "--compile", "--config", str(config),
+              accelerate_config="fsdp.yaml"))
+    ranks = run_info(tmp_path / "compiled")["ranks"]
+    assert [r["compiled_regions"] for r in ranks] == [["backbone.blocks.0", "backbone.blocks.1"]] * 2
+    assert all(r["all_params_dtensor"] and r["grad_ckpt"] == "backbone" for r in ranks)
+    eager = [r["loss"] for r in metrics(tmp_path / "eager")]
+    assert [r["loss"] for r in metrics(tmp_path / "compiled")] == pytest.approx(eager, rel=1e-6)
+    a = load_file(str(complete_checkpoints(tmp_path / "eager")[-1] / "model.safetensors"))
+    b = load_file(str(complete_checkpoints(tmp_path / "compiled")[-1] / "model.safetensors"))
+    assert sorted(a) == sorted(b)
