@@ -82,7 +82,8 @@ def test_dino_new_image_sizes_compile_nothing_after_the_first_step_and_losses_ma
         model = DINO("debug", 3)
         if compiled:
             # the "eager" backend replays dynamo's graphs op by op: the regions, guards and recompiles are what
-            # inductor would get, without minutes of C++ code generation
+            # inductor would get, without minutes of C++ code generation (no checkpointing here: with it, torch
+            # 2.14.1's eager backend reused a graph across shape classes, docs/compile.md §3)
             assert apply_compile(model, "eager", sizes_vary=DinoTask.input_sizes_vary) == compiled_regions(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses, graphs = [], []
@@ -105,6 +106,14 @@ def test_dino_new_image_sizes_compile_nothing_after_the_first_step_and_losses_ma
     assert graphs == [6, 6, 6, 6]
     # every compiled graph is a region's: the model's own forward (or anything between the blocks) never is
     assert _get_total_cache_entry_count(_run_region) == 6
+
+
+def test_compile_backend_is_checked_with_the_key_to_change():
+    from vtrain.config import TrainConfig
+    from vtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.compile_backend: choose one of \('inductor', 'aot_eager'\)"):
+        TrainConfig(compile_backend="eager")
 
 
 def test_regions_keep_the_module_tree_and_group_blocks_that_share_a_graph():

@@ -28,7 +28,9 @@ SCHEDULES = ("cosine", "step", "constant")
 HEADS = ("arcface", "cosface")
 REPORT_TO = ("none", "tensorboard", "wandb")
 HEAD_PARALLEL = ("none", "sharded")
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # engine/compile.py
+# engine/compile.py; not torch's "eager" backend: with activation checkpointing and symbolic sizes it ran a block's
+# graph for another shape class (wrong outputs, torch 2.14.1, docs/compile.md §3)
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 NECK_NORMS = ("bn", "ln", "none")
 MAX_QUERIES, MAX_DN_QUERIES = 5000, 2000
 MIN_DETECTION_SIZE = 64  # the coarsest DINO level has stride 64 (presets.py): smaller inputs leave it empty
@@ -305,8 +307,8 @@ class TrainConfig:
     eager, so a new image size recompiles a few small graphs at most, never the whole model (DINO's sizes are
     symbolic from the first compile). Checkpoints keep the eager model's keys (docs/compile.md)."""
     compile_backend: str = "inductor"
-    """torch.compile backend for --compile: inductor (generated kernels), aot_eager (traced and split into forward
-    and backward, no code generation: to tell a compiler problem from a tracing one), eager (tracing only)."""
+    """torch.compile backend for --compile: inductor (generated kernels) or aot_eager (traced and split into forward
+    and backward, no code generation: to tell a compiler problem from a tracing one)."""
 
     def __post_init__(self) -> None:
         _check(self.epochs is None or self.epochs > 0, "--epochs", f"must be > 0, got {self.epochs}")

@@ -114,10 +114,18 @@ def apply_compile(model: nn.Module, backend: str = "inductor", sizes_vary: bool 
     return compiled_regions(model)
 
 
+def _is_region(m: nn.Module) -> bool:
+    return "_vtrain_compile_group" in vars(m) and getattr(vars(m).get("forward"), "__self__", None) is m
+
+
 def compiled_regions(model: nn.Module) -> list[str]:
     """Names of the blocks whose forward is a compiled region now, read from the live modules (run_info.json)."""
-    return [name for name, m in model.named_modules() if "_vtrain_compile_group" in vars(m)
-            and getattr(vars(m).get("forward"), "__self__", None) is m]
+    return [name for name, m in model.named_modules() if _is_region(m)]
+
+
+def compiled_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks whose forward is a compiled region now."""
+    return [m for m in model.modules() if _is_region(m)]
 
 
 def compile_groups(model: nn.Module) -> int:
