@@ -222,10 +222,10 @@ def head_files(ckpt_dir: str | Path, dim: int | None = None, flag: str = "") -> 
 
 # ---- the model a checkpoint records ------------------------------------------------------------------------------
 
-def recorded_classes(path: str | Path, cfg: RunConfig, flag: str = "") -> int:
+def recorded_classes(path: str | Path, cfg: RunConfig, flag: str = "") -> int | None:
     """The class count of checkpoint `path` (whose config is `cfg`): its head shards' metadata with
     --head-parallel sharded, else the rows of the classifier in its model.safetensors, which for detection must
-    agree with categories.json."""
+    agree with categories.json; None when it has no model.safetensors (vtrain <= 0.1: nothing records it)."""
     path = Path(path)
     if cfg.task == "metric" and cfg.model.head_parallel == "sharded":
         shards = head_files(path, cfg.model.embedding_dim, flag)
@@ -233,6 +233,8 @@ def recorded_classes(path: str | Path, cfg: RunConfig, flag: str = "") -> int:
             raise ContentError(f"{_where(path, flag)}: a --head-parallel sharded checkpoint without head shards "
                                f"({ckpt.HEAD}/classes_*.safetensors)")
         return shards[0].classes
+    if not (path / ckpt.MODEL).is_file():
+        return None
     found, _ = read_header(path / ckpt.MODEL, flag)
     name = CLASSIFIER[cfg.task]
     if name not in found or len(found[name][0]) != 2:
@@ -271,8 +273,9 @@ def text(description: dict[str, Any]) -> str:
 
 
 def same_model(saved: dict[str, Any], run: dict[str, Any], where: str) -> None:
-    """Refuse a checkpoint whose recorded model (`saved`) is not the run's, in one line saying both."""
-    differ = [k for k in run if saved.get(k) != run[k]]
+    """Refuse a checkpoint whose recorded model (`saved`) is not the run's, in one line saying both. What only one
+    side describes (another task's sizes, a class count not recorded) is shown, not compared."""
+    differ = [k for k in run if k in saved and saved[k] != run[k]]
     if differ:
         raise ContentError(f"{where} holds a model with {text(saved)}; this run builds {text(run)} "
                            f"({', '.join(differ)} differ{'s' if len(differ) == 1 else ''}; the checkpoint's settings "

@@ -163,10 +163,11 @@ def _check_complete(src: Source, path: str | Path, found: content.Found, check_m
     (model or EMA) is written incomplete; for another source with --check-model, the model of the config.yaml beside
     it, sized by the weights."""
     flag = "--check-model" if check_model else "CKPT"
-    if src.checkpoint is not None and (src.checkpoint / ckpt.CONFIG).is_file():
-        cfg_path = src.checkpoint / ckpt.CONFIG
-        cfg = load_run_config(cfg_path)
-        spec = content.model_spec(cfg, content.recorded_classes(src.checkpoint, cfg, flag), whole=True, exact=False)
+    cfg_path = src.checkpoint / ckpt.CONFIG if src.checkpoint is not None else None
+    cfg = load_run_config(cfg_path) if cfg_path is not None and cfg_path.is_file() else None
+    classes = content.recorded_classes(src.checkpoint, cfg, flag) if cfg is not None else None
+    if classes is not None:
+        spec = content.model_spec(cfg, classes, whole=True, exact=False)
         spec = {k: v for k, v in spec.items() if not (backbone_only and k.startswith("head."))}
     elif check_model:
         cfg_path = _config_path(path)

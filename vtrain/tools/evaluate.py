@@ -68,6 +68,8 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     # the model config.yaml records, with the class count the checkpoint records (content.py), and the weights
     # checked against it (names, shapes, dtypes, finite values) before they are loaded
     classes = content.recorded_classes(path, cfg, flag)
+    if classes is None:
+        raise VtrainError(f"{flag}: {path} has no {ckpt.MODEL}")
     model = build_model(cfg.task, cfg.model, classes)
     content.expect_tensors(weights, content.spec_of(model.state_dict()), flag,
                            f"the model of its config.yaml ({content.text(content.describe(cfg, classes))})")
