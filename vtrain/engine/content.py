@@ -130,9 +130,9 @@ def _where(file: str | Path, flag: str) -> str:
 
 
 def expect_tensors(file: str | Path, spec: Spec | None, flag: str = "", model: str = "the model",
-                   finite: bool = True, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+                   tensors: Mapping[str, torch.Tensor] | None = None) -> None:
     """Check weights file `file` against `spec` before it is used: names, shapes and dtypes (a safetensors file from
-    its header), then, with `finite`, the values of every floating tensor, one in memory at a time. `spec` None: any
+    its header), then the values of every floating tensor, one in memory at a time. `spec` None: any
     names (a --pretrained file, which its loader matches), values only. `tensors`: the file's contents when the
     caller holds them already; a file other than .safetensors is read weights-only. `model` names what the file
     must fit, for the message. A problem raises a ContentError: `FLAG: FILE does not fit MODEL: tensor ...`."""
@@ -144,8 +144,6 @@ def expect_tensors(file: str | Path, spec: Spec | None, flag: str = "", model: s
     problem = compare(found, spec) if spec is not None else None
     if problem:
         raise ContentError(f"{_where(file, flag)} does not fit {model}: {problem}")
-    if not finite:
-        return
     names = [k for k in (spec if spec is not None else found) if found[k][1] in FLOATS]
     if tensors is not None:
         problem = next((p for k in names if (p := nonfinite(k, tensors[k]))), None)

@@ -54,9 +54,10 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     """The model of a checkpoint (or of a run directory's newest one that verifies), built from its config.yaml
     and loaded strictly from its model.safetensors; on CUDA when there is a GPU. Shared by `vtrain eval`, `predict`
     and `export`. The checkpoint is verified against its manifest first (a damaged one is an error naming the
-    file), then its weights against the model (engine/content.py: names, shapes, dtypes, finite values). A `task_name` other than the checkpoint's is an error naming `task_flag` (default
-    `--task NAME`). `weights_choice`: ema, model or None (the EMA weights when the checkpoint has them: they are
-    what the run evaluated)."""
+    file), then its weights against the model (engine/content.py: names, shapes, dtypes, finite values). A
+    `task_name` other than the checkpoint's is an error naming `task_flag` (default `--task NAME`).
+    `weights_choice`: ema, model or None (the EMA weights when the checkpoint has them: they are what the run
+    evaluated)."""
     path = ckpt.find_verified(checkpoint, flag)
     weights, used = weights_file(path, weights_choice)
     if not weights.is_file():
