@@ -12,7 +12,8 @@ is a change to every rank at once. Where later hardening goes:
 - refusing symlinked checkpoints when pruning or deleting: checkpoint.prune / checkpoint.remove (the format);
 - a full disk during a save: `_stage` is every write into the staging folder, so one handler around it (all ranks
   agreeing on the outcome with `all_true` before `_commit`) removes the folder and reports one error line;
-- validating every tensor read on resume: `load` is the one read sequence, in the order listed there.
+- validating every tensor read on resume: `load` is the one read sequence; `_check_and_read` checks the recorded
+  model and every file of tensors (engine/content.py) before the engine reads any, all ranks agreeing.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import Any, Callable, Protocol
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from vtrain.config import RunConfig
-from vtrain.dist import broadcast_from_main, gather_objects
+from vtrain.config import RunConfig, load_run_config
+from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import faults
+from vtrain.engine import content, faults
 from vtrain.engine.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.head_shard import ShardedHead
@@ -74,6 +75,9 @@ class Checkpointer:
         if self.resume_from is not None:
             self.resume_state = ckpt.TrainState.read(self.resume_from)
             manifest = ckpt.read_manifest(self.resume_from)
+            # the model it records against this run's, before anything is built or written (the class count is
+            # compared in `load`, once the data is read)
+            broadcast_from_main(lambda: self._same_model(self.resume_from, None))
         self.run_id = (manifest.run_id if manifest is not None and manifest.run_id else None) or \
             broadcast_from_main(lambda: uuid.uuid4().hex)
         keep_best = self.cfg.train.keep_best
@@ -130,11 +134,53 @@ class Checkpointer:
 
     # ---- the read sequence ---------------------------------------------------------------------------------------
     def load(self) -> list[str]:
-        """Restore the run from `resume_from`: engine state (model, optimizer, RNG), head, schedule, the loop's
-        counters, loss scaler, EMA, best. Returns notes for the log. Collective under DeepSpeed and FSDP2."""
+        """Restore the run from `resume_from`. First what the checkpoint holds is checked against this run (the model
+        it records, then the tensors of every file this rank reads) and the head rows and the EMA are read, all ranks
+        agreeing on the outcome; then engine state (model, optimizer, RNG), schedule, the loop's counters, loss
+        scaler, best. Returns notes for the log. Collective under DeepSpeed and FSDP2."""
         path, state = self.resume_from, self.resume_state
         assert path is not None and state is not None and self.engine is not None
         notes: list[str] = []
+        # no collective inside: a bad file only one rank reads (its head shard) stops every rank with one line
+        agreed(lambda: self._check_and_read(path, state, notes))
+        if self.reshard_deepspeed:
+            self.engine.load_resharded_deepspeed(path, self.out)  # the universal checkpoint route (parallel.py)
+        else:
+            self.engine.load(path)
+        if not self.engine.parameters_finite():  # collective: DeepSpeed's and DCP's files are not parsed by vtrain
+            problem = f"--resume: {path}: the model's weights hold inf/NaN after loading its {state.engine} state"
+            raise VtrainError(problem) if self.is_main else AgreedError(problem)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.engine.set_lrs(self.scheduler.get_last_lr())  # LambdaLR.load_state_dict leaves the optimizer alone
+        self.loop.load_state_dict(state.to_json())
+        if state.world_size != self.world:
+            notes.append(f"resharded: saved by {state.world_size} processes, resumed on {self.world}")
+        if self.engine.scaler is not None and state.scaler:
+            self.engine.scaler.load_state_dict(state.scaler)
+        if self.ema is None and state.ema:
+            notes.append(f"{path} holds EMA weights; this run has no --ema-decay and drops them")
+        if self.best is not None and self.is_main:
+            note = self.best.restore(state.step)
+            if note:
+                notes.append(note)
+        return notes
+
+    def _same_model(self, path: Path, classes: int | None) -> None:
+        """The model checkpoint `path` records (its config.yaml and class count) against the one this run builds
+        with `classes` classes (None: not compared), in one line saying both."""
+        if not (path / ckpt.CONFIG).is_file():  # vtrain <= 0.1: no record; the tensors are still checked
+            return
+        saved_cfg = load_run_config(path / ckpt.CONFIG)
+        saved_classes = None if classes is None else content.recorded_classes(path, saved_cfg, "--resume")
+        content.same_model(content.describe(saved_cfg, saved_classes), content.describe(self.cfg, classes),
+                           f"--resume: {path}")
+
+    def _check_and_read(self, path: Path, state: ckpt.TrainState, notes: list[str]) -> None:
+        """The checkpoint's recorded model against this run's (one line saying both), the engine and optimizer
+        layout, then every file of tensors this rank reads, each against this run's model (content.py), before the
+        engine reads any; the head rows and the EMA are read here. No collective: `load` agrees on the outcome."""
+        classes = self.dataset.num_classes
+        self._same_model(path, classes)
         saved_kind = "ddp" if state.engine == "single" else state.engine  # one process is DDP of one
         kind = "ddp" if self.plan.kind == "single" else self.plan.kind
         if saved_kind != kind:
@@ -146,31 +192,21 @@ class Checkpointer:
             raise VtrainError(f"--resume: {path} has {saved_groups} optimizer parameter groups, this run builds "
                               f"{groups} (was --layer-decay changed?); resume with the run's settings or start "
                               "from its weights with --resume-weights-only")
+        spec = content.model_spec(self.cfg, classes)
+        read = [path / ckpt.ACCELERATE / "model.safetensors"] if kind == "ddp" else []  # Accelerate's name
         if self.reshard_deepspeed:
-            self.engine.load_resharded_deepspeed(path, self.out)  # the universal checkpoint route (parallel.py)
-        else:
-            self.engine.load(path)
+            read.append(path / ckpt.MODEL)  # its buffers and frozen parameters (parallel.py)
+        for f in read:
+            if f.is_file():
+                content.expect_tensors(f, spec, "--resume", "this run's model")
         if self.head is not None:
-            self.head.load(path)  # re-split for this run's number of processes
-        self.scheduler.load_state_dict(state.scheduler)
-        self.engine.set_lrs(self.scheduler.get_last_lr())  # LambdaLR.load_state_dict leaves the optimizer alone
-        self.loop.load_state_dict(state.to_json())
-        if state.world_size != self.world:
-            notes.append(f"resharded: saved by {state.world_size} processes, resumed on {self.world}")
-        if self.engine.scaler is not None and state.scaler:
-            self.engine.scaler.load_state_dict(state.scaler)
+            self.head.load(path)  # this run's rows, re-split for its number of processes, checked as read
         if self.ema is not None:
             if (path / ckpt.EMA).is_file() and state.ema:
+                content.expect_tensors(path / ckpt.EMA, spec, "--resume", "this run's model")
                 self.ema.load(path / ckpt.EMA, state.ema)  # re-sharded for this run's processes
             else:
                 notes.append(f"--ema-decay: {path} holds no EMA; the average starts from its weights")
-        elif state.ema:
-            notes.append(f"{path} holds EMA weights; this run has no --ema-decay and drops them")
-        if self.best is not None and self.is_main:
-            note = self.best.restore(state.step)
-            if note:
-                notes.append(note)
-        return notes
 
     # ---- the write sequence --------------------------------------------------------------------------------------
     def save(self, log: Callable[[str], None]) -> Path:

@@ -15,10 +15,11 @@ from torch import nn
 
 from vtrain.config import DataConfig, RunConfig, load_run_config, replace
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine import content
 from vtrain.engine.ema import weights_file
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict
-from vtrain.tasks import build_task, model_for_weights
+from vtrain.tasks import build_model, build_task
 
 
 @dataclass
@@ -51,11 +52,12 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
                flag: str = "--checkpoint", task_flag: str | None = None,
                weights_choice: str | None = None) -> LoadedModel:
     """The model of a checkpoint (or of a run directory's newest one that verifies), built from its config.yaml
-    and loaded strictly from its model.safetensors; on CUDA when there is a GPU. Shared by `vtrain eval`,
-    `predict` and `export`. The checkpoint is verified against its manifest first: a damaged one is an error
-    naming the file. A `task_name` other than the checkpoint's is an error naming `task_flag` (default
-    `--task NAME`). `weights_choice`: ema, model or None (the EMA weights when the checkpoint has them: they are
-    what the run evaluated)."""
+    and loaded strictly from its model.safetensors; on CUDA when there is a GPU. Shared by `vtrain eval`, `predict`
+    and `export`. The checkpoint is verified against its manifest first (a damaged one is an error naming the
+    file), then its weights against the model (engine/content.py: names, shapes, dtypes, finite values). A
+    `task_name` other than the checkpoint's is an error naming `task_flag` (default `--task NAME`).
+    `weights_choice`: ema, model or None (the EMA weights when the checkpoint has them: they are what the run
+    evaluated)."""
     path = ckpt.find_verified(checkpoint, flag)
     weights, used = weights_file(path, weights_choice)
     if not weights.is_file():
@@ -64,9 +66,15 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     if task_name is not None and task_name != cfg.task:
         raise VtrainError(f"{task_flag or f'--task {task_name}'}: {path} is a {cfg.task} checkpoint")
     saved = yaml.safe_load((path / ckpt.CONFIG).read_text()).get("data") or {}
-    sd = load_file(str(weights))
-    model = model_for_weights(cfg, {k: tuple(v.shape) for k, v in sd.items()})
-    load_strict(model, sd, flag, "weights do not match the model in config.yaml")
+    # the model config.yaml records, with the class count the checkpoint records (content.py), and the weights
+    # checked against it (names, shapes, dtypes, finite values) before they are loaded
+    classes = content.recorded_classes(path, cfg, flag)
+    if classes is None:
+        raise VtrainError(f"{flag}: {path} has no {ckpt.MODEL}")
+    model = build_model(cfg.task, cfg.model, classes)
+    content.expect_tensors(weights, content.spec_of(model.state_dict()), flag,
+                           f"the model of its config.yaml ({content.text(content.describe(cfg, classes))})")
+    load_strict(model, load_file(str(weights)), flag, "weights do not match the model in config.yaml")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     cats_file = path / ckpt.CATEGORIES
