@@ -232,7 +232,7 @@ class Writes:
     """A sequence of writes that must not stop half-way through the collectives between them: each call runs
     `fn` unless an earlier one failed, and keeps the first environment failure as one line (`problem`) instead of
     raising it, so a rank whose disk is full still joins every collective and all ranks can agree on the outcome
-    afterwards. Anything that is not an environment error propagates."""
+    afterwards. A VtrainError (already one line) is kept the same way; anything else propagates."""
 
     def __init__(self) -> None:
         self.problem: str | None = None
@@ -242,8 +242,9 @@ class Writes:
             return None
         try:
             return fn(*args, **kwargs)
-        except VtrainError:
-            raise
+        except VtrainError as e:  # already one line (e.g. a link refused): agreed like the rest
+            self.problem = str(e)
+            return None
         except Exception as e:
             error = environment_error(e, what, path)
             if error is None:
