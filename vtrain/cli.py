@@ -20,6 +20,7 @@ from vtrain import recompute
 from vtrain.config import FLAG_SECTIONS, build_config, read_yaml
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.errors import VtrainError
+from vtrain.guarded import ENVIRONMENT_ERRNOS
 from vtrain.safeio import force_weights_only_env
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -168,6 +169,7 @@ def evaluate(
     max_image_pixels: Annotated[Optional[int], typer.Option(
         help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
         "89478485)")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace --save-predictions when it exists (never a checkpoint's file)")] = False,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
     box AP."""
@@ -182,7 +184,7 @@ def evaluate(
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
                  "val_ann": val_ann, "val_images": val_images, "max_image_pixels": max_image_pixels}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
-                                            save_predictions, weights)
+                                            save_predictions, weights, overwrite)
     if classwise and "per_class" not in metrics:
         raise VtrainError("--classwise: only for detection checkpoints")
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint} ({metrics['weights']} "
@@ -211,6 +213,7 @@ def predict(
     max_image_pixels: Annotated[Optional[int], typer.Option(
         help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
         "89478485)")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace the files --out names when it exists (never a checkpoint's file)")] = False,
 ) -> None:
     """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
     from vtrain.engine.logging import console
@@ -221,7 +224,8 @@ def predict(
     if num_workers < 0:
         raise VtrainError("--num-workers: must be >= 0")
     report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
-                         batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels)
+                         batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels,
+                         overwrite=overwrite)
     if report.task == "dino":
         console.print(f"{report.images} images on {report.device}: {report.detections} boxes with score >= "
                       f"{score_threshold}; wrote the drawn images and predictions.json to {out}", soft_wrap=True)
@@ -238,7 +242,7 @@ def consolidate_cmd(
     max_shard_size: Annotated[Optional[str], typer.Option(help="Split into shards + index, e.g. 5GB")] = None,
     allow_nonfinite: Annotated[bool, typer.Option(help="Write even when tensors hold inf/NaN")] = False,
     check_model: Annotated[bool, typer.Option(help="Load the result strictly into the model of config.yaml")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists (never a checkpoint's file)")] = False,
     backbone_only: Annotated[bool, typer.Option(
         help="Metric: leave the class head out (backbone + embedding neck, what inference needs)")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
@@ -286,6 +290,7 @@ def export_cmd(
     out: Annotated[Path, typer.Argument(help="Output file, e.g. model.onnx")],
     opset: Annotated[int, typer.Option(help="ONNX opset (18 or newer)")] = 18,
     verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on a random batch")] = True,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT (and OUT.data) when it exists (never a checkpoint's file)")] = False,
 ) -> None:
     """Export a metric model's embedding network (backbone + neck) to ONNX with a dynamic batch axis."""
     from vtrain.engine.logging import console
@@ -293,7 +298,7 @@ def export_cmd(
 
     if opset < 18:
         raise VtrainError(f"--opset {opset}: torch's ONNX exporter targets opset 18 or newer")
-    r = export_onnx(checkpoint, out, opset, verify)
+    r = export_onnx(checkpoint, out, opset, verify, overwrite)
     console.print(f"exported {r.checkpoint} ({r.params:,} parameters) to {r.path}"
                   + (f" + {r.path.name}.data" if r.external_data else ""), soft_wrap=True)
     console.print(f"input `input`: float32 N x 3 x {r.image_size} x {r.image_size}, RGB, x / {MEAN} - 1 "
@@ -413,6 +418,15 @@ def main() -> None:
     except VtrainError as e:
         if not getattr(e, "quiet", False):  # an error rank 0 reports for all ranks
             print(f"error: {e}", file=sys.stderr)
+        _leave_gloo_group()
+        sys.exit(2)
+    except OSError as e:
+        # the environment (a full or read-only disk, a missing permission) at a write that no disk_op names
+        # (vtrain/guarded.py): still one line with the path, never a traceback; any other error stays one
+        if e.errno not in ENVIRONMENT_ERRNOS or isinstance(e, FileNotFoundError):
+            raise
+        print(f"error: {e.strerror}: {e.filename or 'a file'} (during `vtrain {' '.join(sys.argv[1:2])}`)",
+              file=sys.stderr)
         _leave_gloo_group()
         sys.exit(2)
     except TrainingInterrupted as e:

@@ -19,7 +19,8 @@ from vtrain import recompute
 from vtrain.config_values import coerce, read_yaml
 from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
 from vtrain.errors import ConfigError
-from vtrain.files import cache_root, directory_problem
+from vtrain.files import cache_root, directory_problem, write_text_atomic
+from vtrain.guarded import utf8_problem
 from vtrain.presets import presets_for
 
 TASKS = ("metric", "dino")
@@ -311,8 +312,11 @@ class TrainConfig:
         _check(self.log_every > 0, "--log-every", f"must be > 0, got {self.log_every}")
         _check(self.max_nonfinite > 0, "--max-nonfinite", "must be > 0")
         _check(0 <= self.seed < 2**32, "--seed", f"must be in 0..2**32-1, got {self.seed}")
-        problem = directory_problem(self.output_dir)
+        problem = directory_problem(self.output_dir) or utf8_problem(self.output_dir)
         _check(problem is None, "--output-dir", str(problem))
+        if self.report_to == "tensorboard":  # found now, not as a traceback from the writer after start-up
+            problem = directory_problem(Path(self.output_dir) / "tensorboard")
+            _check(problem is None, "--report-to", f"tensorboard writes into <output-dir>/tensorboard, but {problem}")
         _check(not (self.resume and self.resume_weights_only), "--resume-weights-only",
                "cannot be combined with --resume (one continues a run, the other starts a new one from weights)")
         _check(not (self.resume and self.overwrite_output_dir), "--overwrite-output-dir",
@@ -371,7 +375,7 @@ class RunConfig:
         return d
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        write_text_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
@@ -410,9 +414,12 @@ def build_config(task: str, file_values: dict[str, Any] | None = None,
             if not isinstance(values, dict):
                 raise ConfigError(f"--config: section {section!r} must be a mapping")
             known = {f.name for f in fields(_SECTION_CLASSES[section])}
+            hints = typing.get_type_hints(_SECTION_CLASSES[section])
             for k, v in values.items():
                 if k not in known:
                     raise ConfigError(f"--config: unknown key {section}.{k}; known: {', '.join(sorted(known))}")
+                if v is not None and source is file_values:  # the file as written, even where a flag overrides it
+                    coerce(v, hints[k], f"--config {section}.{k}")
                 if v is not None:
                     merged[section][k] = v
     if not isinstance(task, str):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from vtrain import guarded
 from vtrain.config import load_run_config
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import content
@@ -209,15 +210,17 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
         raise VtrainError(f"OUT must end in .safetensors or .pt, got {out.name}")
     if out.is_dir():
         raise VtrainError(f"OUT {out} is a directory; give a file name ending in .safetensors or .pt")
-    existing = [f for f in (out, out.parent / f"{out.name}.index.json") if f.exists()]
-    if existing and not overwrite:
-        raise VtrainError(f"OUT {existing[0]} exists; --overwrite replaces it")
+    # never into a checkpoint; an existing OUT, its index or shards of an earlier sharded run only with --overwrite
+    shards = sorted(out.parent.glob(f"{glob.escape(out.stem)}-*-of-*{out.suffix}"))
+    guarded.claim_output([out, out.parent / f"{out.name}.index.json", *shards], overwrite, "OUT",
+                         ckpt.inside_checkpoint)
     enforce_weights_only()  # DeepSpeed's checkpoint files hold its own types (safeio.py)
     if best:
         path = best_checkpoint(path, "CKPT")
     src = detect(path, weights)
     report = Report(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    with guarded.disk_op("create the folder of", out):
+        out.parent.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(out, max_shard_size)
     try:
         kept: dict[str, torch.Tensor] = {}
@@ -280,10 +283,15 @@ class _ShardWriter:
                  "size": 0, "tensors": {}}
         self.shards.append(shard)
         if self.safetensors:
-            self._file = open(shard["data"], "wb")
+            shard["data"].unlink(missing_ok=True)  # a stale one of a killed run, or a link: never written through
+            self._file = open(shard["data"], "xb")
         return shard
 
     def add(self, name: str, t: torch.Tensor) -> None:
+        with guarded.disk_op("write", self.out):  # a full disk: one line, and cleanup() removes the temp files
+            self._add(name, t)
+
+    def _add(self, name: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
         shard = self.shards[-1] if self.shards else self._new_shard()
         if self.max and shard["size"] and shard["size"] + nbytes > self.max:
@@ -305,6 +313,10 @@ class _ShardWriter:
         return [self.out.parent / f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
 
     def commit(self) -> list[str]:
+        with guarded.disk_op("write", self.out):
+            return self._commit()
+
+    def _commit(self) -> list[str]:
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -316,10 +328,11 @@ class _ShardWriter:
         finals = self._names()
         tmps = [f.parent / f".{f.name}.tmp" for f in finals]
         for shard, tmp in zip(self.shards, tmps):
+            tmp.unlink(missing_ok=True)  # stale, or a link: the output is always a new file
             if self.safetensors:
                 raw = json.dumps({"__metadata__": {"format": "pt"}, **shard["header"]}, separators=(",", ":")).encode()
                 raw += b" " * (-len(raw) % 8)
-                with open(tmp, "wb") as f, open(shard["data"], "rb") as data:
+                with open(tmp, "xb") as f, open(shard["data"], "rb") as data:
                     f.write(len(raw).to_bytes(8, "little"))
                     f.write(raw)
                     shutil.copyfileobj(data, f, 16 * 2**20)

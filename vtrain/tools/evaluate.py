@@ -3,7 +3,6 @@ them, else model.safetensors), for `vtrain eval` and `vtrain predict`, and `vtra
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import yaml
 from safetensors.torch import load_file
 from torch import nn
 
+from vtrain import guarded
 from vtrain.config import DataConfig, RunConfig, load_run_config, replace
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import content
@@ -77,17 +77,18 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     load_strict(model, load_file(str(weights)), flag, "weights do not match the model in config.yaml")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
-    cats_file = path / ckpt.CATEGORIES
-    categories = json.loads(cats_file.read_text()) if cats_file.is_file() else None
-    return LoadedModel(path, cfg, saved, model, device, categories, used)
+    return LoadedModel(path, cfg, saved, model, device, ckpt.read_categories(path), used)
 
 
 def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int | None = None,
                         task_name: str | None = None, save_predictions: str | None = None,
-                        weights_choice: str | None = None) -> tuple[Any, dict]:
+                        weights_choice: str | None = None, overwrite: bool = False) -> tuple[Any, dict]:
     """Returns (task, metrics); metrics["weights"] says which weights were evaluated (ema | model). `data` holds
     DataConfig overrides (path, val_path, pairs_file, val_ann, ...); unset values fall back to the data the run was
-    trained on. `weights_choice`: ema, model or None (EMA when present)."""
+    trained on. `weights_choice`: ema, model or None (EMA when present). `save_predictions` is refused when it
+    exists (unless `overwrite`) or lies in a checkpoint, before anything is evaluated."""
+    if save_predictions:
+        guarded.claim_output([Path(save_predictions)], overwrite, "--save-predictions", ckpt.inside_checkpoint)
     loaded = load_model(checkpoint, task_name, weights_choice=weights_choice)
     saved, cfg = loaded.saved_data, loaded.cfg
     given = {k: v for k, v in data.items() if v is not None}
