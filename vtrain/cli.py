@@ -331,10 +331,10 @@ def estimate_memory_cmd(
         help="Metric head: none or sharded (Partial FC: each GPU holds 1/--gpus of the identities)")] = None,
     sample_rate: Annotated[Optional[float], typer.Option(
         help="Sharded head: share of each GPU's identities per step (1.0: all)")] = None,
-    breakdown: Annotated[int, typer.Option(
-        "--breakdown", is_flag=False, flag_value=15, metavar="[N]",
-        help="Show the N modules holding the most activation bytes at the peak (default 15) and the bytes per "
-        "recompute unit")] = 0,
+    breakdown: Annotated[bool, typer.Option(
+        "--breakdown", help="Show the modules holding the most activation bytes at the peak, and the bytes per "
+        "recompute unit")] = False,
+    breakdown_rows: Annotated[int, typer.Option(help="Modules --breakdown shows (the rest as one row)")] = 15,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object")] = False,
 ) -> None:
     """Predict per-GPU training memory from the real model, without a GPU (fake tensors, one traced step)."""
@@ -344,8 +344,8 @@ def estimate_memory_cmd(
         raise VtrainError(f"--gpus: must be >= 1, got {gpus}")
     if batch_size is not None and batch_size < 1:
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
-    if breakdown < 0:
-        raise VtrainError(f"--breakdown: a number of rows >= 1, got {breakdown}")
+    if breakdown_rows < 1:
+        raise VtrainError(f"--breakdown-rows: must be >= 1, got {breakdown_rows}")
     if memory_budget is not None and not (0 < memory_budget < float("inf")):
         raise VtrainError(f"--memory-budget: must be a positive number of GiB, got {memory_budget}")
     from rich.console import Console  # after the checks above: a bad number is reported without importing torch
@@ -358,7 +358,7 @@ def estimate_memory_cmd(
                        fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
                        ds_config=ds_config, head_parallel=head_parallel, sample_rate=sample_rate,
                        memory_budget=memory_budget)
-    report = estimate_report(setup, gpu_memory, compare_gc, breakdown)
+    report = estimate_report(setup, gpu_memory, compare_gc, breakdown_rows if breakdown else 0)
     if as_json:
         print(json.dumps(report))
         return

@@ -101,8 +101,8 @@ class Plan:
                 parts.append(f"{verb} {recompute.from_units(names, self.units)}")
         if self.ffn_units:
             parts.append(f"FFN hidden layer remade in {recompute.from_units(dict.fromkeys(self.ffn_units, FULL))}")
-        return (f"{' + '.join(parts) or 'recompute nothing'}: predicted {self.total / GiB:.2f} GiB of "
-                f"{self.budget / GiB:.2f}, +{100 * self.extra_flops / max(self.forward_flops, 1):.1f}% forward FLOPs")
+        return (f"{' + '.join(parts) or 'recompute nothing'}: predicted {gib(self.total)} GiB of "
+                f"{gib(self.budget)}, +{100 * self.extra_flops / max(self.forward_flops, 1):.1f}% forward FLOPs")
 
     def to_dict(self) -> dict[str, Any]:
         return {"grad_ckpt": self.spec(), "units": self.modes, "ffn_units": self.ffn_units,
@@ -208,9 +208,11 @@ def _setup_for(setup: Setup, units: list[str], choice: tuple[str, ...]) -> Setup
                                ffn_units=tuple(u for u, m in zip(units, choice) if m == FFN), memory_budget=None)
 
 
-def plan(setup: Setup, budget: int | None = None, max_verify: int = MAX_VERIFY) -> Plan:
+def plan(setup: Setup, budget: int | None = None, max_verify: int = MAX_VERIFY,
+         cache: dict[tuple[str, ...], StepTrace] | None = None) -> Plan:
     """The cheapest traced plan within `budget` bytes per GPU (default: the Setup's memory_budget in GiB), or a
-    VtrainError naming the smallest peak found and what else would help."""
+    VtrainError naming the smallest peak found and what else would help. `cache`: traces by plan from earlier
+    calls with the same Setup (a budget sweep); the traces are deterministic, so reusing them changes nothing."""
     t0 = time.perf_counter()
     budget = budget if budget is not None else int(setup.memory_budget * GiB)
     facts = model_facts(setup)
@@ -218,7 +220,7 @@ def plan(setup: Setup, budget: int | None = None, max_verify: int = MAX_VERIFY) 
     with torch.device("meta"):
         model = build_model(dataclasses.replace(setup, grad_ckpt=(), ffn_units=()))
     units, hidden = list(recompute_units(model)), set(hidden_units(model))
-    traced: dict[tuple[str, ...], StepTrace] = {}
+    traced: dict[tuple[str, ...], StepTrace] = cache if cache is not None else {}
 
     def run(choice: tuple[str, ...]) -> StepTrace:
         if choice not in traced:
@@ -241,7 +243,7 @@ def plan(setup: Setup, budget: int | None = None, max_verify: int = MAX_VERIFY) 
         options.append(opts)
     pre = max(p.pre for p in profiles.values())
     room = budget - fixed
-    measured = len(traced)
+    measured = len(traced)  # the cap counts the traces this call adds
     chosen = None
     for cand in frontier(pre, options):
         known = traced.get(cand.choice)
@@ -270,6 +272,11 @@ def plan(setup: Setup, budget: int | None = None, max_verify: int = MAX_VERIFY) 
                 least_spec=",".join(_setup_for(setup, units, least).grad_ckpt) or "none", trace=t)
 
 
+def gib(n: int) -> str:
+    """GiB with two decimals, three below 1 GiB (the debug presets)."""
+    return f"{n / GiB:.2f}" if n >= GiB else f"{n / GiB:.3f}"
+
+
 class NothingFits(VtrainError):
     """No traced plan fits the budget: the message names the smallest peak and what else would help."""
 
@@ -281,6 +288,6 @@ class NothingFits(VtrainError):
             helps.append("more GPUs for the sharded head (each holds 1/N of its rows)")
         gc = ",".join(best.grad_ckpt) or "none"
         super().__init__(f"--memory-budget {budget / GiB:g}: nothing fits: the smallest predicted peak is "
-                         f"{smallest / GiB:.2f} GiB per GPU (--grad-ckpt {gc}); what else would help: "
+                         f"{gib(smallest)} GiB per GPU (--grad-ckpt {gc}); what else would help: "
                          f"{', '.join(helps)}")
         self.smallest = smallest

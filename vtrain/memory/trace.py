@@ -23,6 +23,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
@@ -122,6 +123,20 @@ def build_model(setup: Setup) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def one_process():
+    """The traced step is one rank's step computed alone (a training run plans on rank 0 while the others wait):
+    inside, torch.distributed reports no process group, so the model's collectives (DINO's box-count mean, the
+    sharded head's gathers, which head.py emulates) are not called. They would wait for ranks that are not
+    tracing, and fake tensors carry no data to send."""
+    saved = dist.is_initialized
+    dist.is_initialized = lambda: False
+    try:
+        yield
+    finally:
+        dist.is_initialized = saved
+
+
 @dataclass
 class StepTrace:
     """One traced training step. `activation`: peak bytes of everything the step creates except gradients
@@ -151,7 +166,13 @@ class StepTrace:
 
 def trace(setup: Setup, fake: bool = True) -> StepTrace:
     """One forward + backward of the real model under fake tensors (fake=False: real CPU tensors), recorded by
-    `LiveBytes`: every storage, the module that made it, the FLOPs."""
+    `LiveBytes`: every storage, the module that made it, the FLOPs. The process's random state is left as it
+    was (a training run plans on rank 0 only, and its own random stream must not depend on that)."""
+    with torch.random.fork_rng(devices=[]):
+        return _trace(setup, fake)
+
+
+def _trace(setup: Setup, fake: bool) -> StepTrace:
     torch.manual_seed(0)
     if fake:
         with torch.device("meta"):
@@ -167,7 +188,7 @@ def trace(setup: Setup, fake: bool = True) -> StepTrace:
            if setup.precision != "no" else contextlib.nullcontext())
     shapes = upper_bound_shapes() if head is not None and fake else contextlib.nullcontext()
     torch.manual_seed(0)
-    with mode:
+    with mode, one_process():
         if fake:
             model.to_empty(device="cpu")
             if head is not None:
