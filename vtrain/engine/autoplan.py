@@ -8,13 +8,14 @@ own model and reports what its live blocks do (run_info.json), so a disagreement
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from vtrain import recompute
 from vtrain.config import RunConfig
+from vtrain.dist import broadcast_from_main
 from vtrain.ds_json import bucket_sizes, zero_settings
 from vtrain.engine.plan import Plan as LaunchPlan
 from vtrain.errors import VtrainError
@@ -49,10 +50,9 @@ def run_setup_for(cfg: RunConfig, launch: LaunchPlan, num_classes: int, device: 
     return run_setup(cfg, launch.precision, **engine)
 
 
-def choose(cfg: RunConfig, launch: LaunchPlan, num_classes: int, device: torch.device,
-           agree: Callable[[Callable[[], Plan]], Plan]) -> Plan | None:
-    """The plan of a `--grad-ckpt auto` run (None otherwise), made by `agree` (rank 0, then broadcast; a user error
-    reaches every rank). Collective when the run is `auto`."""
+def choose(cfg: RunConfig, launch: LaunchPlan, num_classes: int, device: torch.device) -> Plan | None:
+    """The plan of a `--grad-ckpt auto` run (None otherwise), made on rank 0 and broadcast (a user error, e.g.
+    nothing fits, reaches every rank and is printed once). Collective when the run is `auto`."""
     if not recompute.parse(cfg.model.grad_ckpt).auto:
         return None
 
@@ -66,7 +66,7 @@ def choose(cfg: RunConfig, launch: LaunchPlan, num_classes: int, device: torch.d
         p.trace = None  # the recording stays here: only the decision travels
         return p
 
-    return agree(make)
+    return broadcast_from_main(make)
 
 
 def apply(model: nn.Module, p: Plan) -> None:
