@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("config", {"config"}),
     ("data, models, eval", {"data", "models", "eval"}),
     ("tasks", {"tasks"}),
+    ("memory", {"memory"}),
     ("engine", {"engine"}),
     ("tools", {"tools"}),
     ("cli", {"cli", "__main__"}),
@@ -147,7 +148,7 @@ _LOADED = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
 
 
 @pytest.mark.parametrize("module", ["vtrain.config", "vtrain.data.faces", "vtrain.models.dino", "vtrain.eval.coco_eval",
-                                    "vtrain.tasks", "vtrain.engine.trainer"])
+                                    "vtrain.tasks", "vtrain.memory.planner", "vtrain.engine.trainer"])
 def test_importing_a_layer_loads_nothing_above_it(module):
     """At run time too (package __init__ files and anything the static walk cannot see included)."""
     proc = subprocess.run([sys.executable, "-c", _LOADED, module], cwd=ROOT, capture_output=True, text=True,

@@ -19,8 +19,9 @@ from vtrain.models.dino import DINO
 from vtrain.models.dino.msda import MSDeformAttn, auto_impl, ms_deform_attn
 from vtrain.models.dino.transformer import FFN
 from vtrain.models.swin_attention import use_shared_bias_attention
-from vtrain.tools.memory_setup import Setup
-from vtrain.tools.memory_trace import LiveBytes, cuda_autocast_policy, trace_step
+from vtrain.memory.setup import Setup
+from vtrain.memory.trace import cuda_autocast_policy, trace_step
+from vtrain.memory.tracker import LiveBytes
 
 AMP = dict(device_type="cpu", dtype=torch.bfloat16)
 _HOOKS_ACTIVE = lean._hooks_active

@@ -27,6 +27,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Train large vision models on small GPUs (Accelerate + DeepSpeed ZeRO / FSDP2).")
 
 
+MEMORY_BUDGET_HELP = ("With --grad-ckpt auto: GiB per GPU to fit; the planner recomputes the fewest FLOPs that fit "
+                      "it (default on a GPU: its memory less max(2.5 GiB, 10%); required on a CPU)")
+
+
 class Task(str, Enum):
     metric = "metric"
     dino = "dino"
@@ -75,6 +79,7 @@ def train(
         "R^(layers - timm layer id); the head keeps --lr")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="auto, no, bf16 or fp16")] = None,
     grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
+    memory_budget: Annotated[Optional[float], typer.Option(help=MEMORY_BUDGET_HELP)] = None,
     ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (ZeRO stage, offload)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="Shard with FSDP2")] = None,
     resume: Annotated[Optional[str], typer.Option(help="auto or a checkpoint directory")] = None,
@@ -325,6 +330,16 @@ def estimate_memory_cmd(
     config: Annotated[Optional[Path], typer.Option(help="A `vtrain train` YAML: estimate that exact run")] = None,
     ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (stage, offload, buckets, bf16)")] = None,
     compare_gc: Annotated[bool, typer.Option(help="Also trace the other checkpointing choices (slower)")] = True,
+    memory_budget: Annotated[Optional[float], typer.Option(
+        help="Plan --grad-ckpt auto for this many GiB per GPU: print the plan and the largest batch that fits")] = None,
+    head_parallel: Annotated[Optional[str], typer.Option(
+        help="Metric head: none or sharded (Partial FC: each GPU holds 1/--gpus of the identities)")] = None,
+    sample_rate: Annotated[Optional[float], typer.Option(
+        help="Sharded head: share of each GPU's identities per step (1.0: all)")] = None,
+    breakdown: Annotated[bool, typer.Option(
+        "--breakdown", help="Show the modules holding the most activation bytes at the peak, and the bytes per "
+        "recompute unit")] = False,
+    breakdown_rows: Annotated[int, typer.Option(help="Modules --breakdown shows (the rest as one row)")] = 15,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object")] = False,
 ) -> None:
     """Predict per-GPU training memory from the real model, without a GPU (fake tensors, one traced step)."""
@@ -334,6 +349,10 @@ def estimate_memory_cmd(
         raise VtrainError(f"--gpus: must be >= 1, got {gpus}")
     if batch_size is not None and batch_size < 1:
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
+    if breakdown_rows < 1:
+        raise VtrainError(f"--breakdown-rows: must be >= 1, got {breakdown_rows}")
+    if memory_budget is not None and not (0 < memory_budget < float("inf")):
+        raise VtrainError(f"--memory-budget: must be a positive number of GiB, got {memory_budget}")
     from rich.console import Console  # after the checks above: a bad number is reported without importing torch
 
     from vtrain.tools.memory import estimate_report
@@ -342,8 +361,9 @@ def estimate_memory_cmd(
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
                        fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
-                       ds_config=ds_config)
-    report = estimate_report(setup, gpu_memory, compare_gc)
+                       ds_config=ds_config, head_parallel=head_parallel, sample_rate=sample_rate,
+                       memory_budget=memory_budget)
+    report = estimate_report(setup, gpu_memory, compare_gc, breakdown_rows if breakdown else 0)
     if as_json:
         print(json.dumps(report))
         return

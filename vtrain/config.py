@@ -95,7 +95,12 @@ class ModelConfig:
     e.g. ["backbone"], ["backbone:stage0-1", "encoder:0-3", "sac:decoder"]; a comma string is read as one value."""
     ffn_recompute: bool = True
     """DINO: the encoder FFNs make their 2048-wide ReLU output again in backward instead of keeping it: 4.1 GiB less
-    for Swin-L at 800x1333, batch 2, for one more fc1 matmul per layer (+18% forward FLOPs); docs/recompute.md."""
+    for Swin-L at 800x1333, batch 2, for one more fc1 matmul per layer (+18% forward FLOPs); docs/recompute.md.
+    With `--grad-ckpt auto` the planner decides this per encoder layer instead."""
+    memory_budget: float | None = None
+    """With `--grad-ckpt auto`: GiB per GPU the planner fits (estimate-memory's total: model states, activations at
+    the peak, buffers, 0.5 GiB for the CUDA context). Default on a GPU: its memory minus max(2.5 GiB, 10%) for
+    allocator fragmentation (docs/memory_estimate.md); on a CPU it must be given."""
 
     num_queries: int | None = None
     """DINO matching queries (default: the preset's, 900 in the recipe)."""
@@ -126,9 +131,11 @@ class ModelConfig:
             spec = recompute.parse(self.grad_ckpt)
         except recompute.SpecError as e:
             _check(False, "--grad-ckpt", f"{e}; forms: {recompute.FORMS}")
-        _check(not spec.auto, "--grad-ckpt", "auto needs the memory planner (--memory-budget), which this version "
-               f"does not have yet; name the units instead, forms: {recompute.FORMS}")
         self.grad_ckpt = spec.canonical()
+        _check(self.memory_budget is None or 0 < self.memory_budget <= 1e6, "--memory-budget",
+               f"must be a positive number of GiB, got {self.memory_budget}")
+        _check(self.memory_budget is None or spec.auto, "--memory-budget",
+               "plans the activation checkpointing: it needs --grad-ckpt auto")
         if self.pretrained is not None:
             _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
         # upper bounds: the denoising attention mask and the matcher grow with the square of the query count

@@ -22,7 +22,7 @@ from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import SkipBadSamples
 from vtrain.dist import agreed, all_mean_, broadcast_from_main, gather_objects, leave
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content, faults, head_shard, rundir
+from vtrain.engine import autoplan, content, faults, head_shard, rundir
 from vtrain.engine.checkpointer import Checkpointer
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
@@ -77,8 +77,14 @@ class Trainer:
         # the evaluation data (held-out sets, .bin packs) is read and checked now: a pack that cannot be scored
         # must stop the run before it trains, not after its final save
         self.task.check_eval_data()
-        # 4. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
+        # 4. model -> activation checkpointing (inside build_model; with `--grad-ckpt auto` the planner's, made on
+        # rank 0 from a fake-tensor trace and broadcast) -> pretrained weights -> sharding
         model = self.task.build_model()
+        self.memory_plan = autoplan.choose(cfg, self.plan, dataset.num_classes, self.accelerator.device)
+        if self.memory_plan is not None:
+            autoplan.apply(model, self.memory_plan)
+            self.logger_notes.append(f"--grad-ckpt auto: {self.memory_plan.describe()} "
+                                     f"({self.memory_plan.traces} traces, {self.memory_plan.seconds:.0f} s)")
         # --head-parallel sharded: this rank's class shard, built beside (never inside) the model the engine wraps
         self.head = head_shard.build(cfg, dataset, self.rank, self.world, self.accelerator.device, self.plan)
         self.pretrained_msg = agreed(lambda: self._load_weights(model))  # every rank reads the file: one line
@@ -111,6 +117,8 @@ class Trainer:
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.active = self.engine.active()
         self.active["grad_ckpt"] = recompute_summary(self.engine.unwrapped)  # read from the live blocks
+        if self.memory_plan is not None:
+            self.active.update(autoplan.report(self.engine.unwrapped, self.memory_plan))
         if self.head is not None:
             self.active.update(self.head.active())
         self.engine.verify(self.active)

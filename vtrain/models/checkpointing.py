@@ -148,3 +148,38 @@ def active_recompute(model: nn.Module) -> dict[str, str]:
 def recompute_summary(model: nn.Module) -> str:
     """The active checkpointing as the shortest `--grad-ckpt` spec ("none" when nothing is checkpointed)."""
     return str(recompute.from_units(active_recompute(model), list(recompute_units(model))))
+
+
+# ---- the second knob: a block that remakes one hidden layer in backward (models/lean.py) ------------------------
+# A module that can drop its hidden layer and make it again in backward (DINO's encoder FFN: one fc1 matmul more,
+# 8 tokens x 256 bytes less per token) says so with a boolean attribute `recompute_hidden`. The model-wide switch is
+# ModelConfig.ffn_recompute; the memory planner sets it per unit. Inside a checkpointed unit the remade tensor is
+# kept by nobody anyway (lean.py computes plainly there), so the switch only matters for units run plainly.
+def hidden_units(model: nn.Module) -> list[str]:
+    """Units (forward order) whose blocks hold a module with a `recompute_hidden` switch."""
+    return [name for name, blocks in recompute_units(model).items()
+            if any(hasattr(m, "recompute_hidden") for b in blocks for m in b.modules())]
+
+
+def set_hidden_recompute(model: nn.Module, chosen: Iterable[str]) -> list[str]:
+    """Turn `recompute_hidden` on in exactly the units `chosen` (names of `hidden_units`), off elsewhere. Returns the
+    units switched on, in forward order; a name without such a module raises ValueError."""
+    chosen = set(chosen)
+    units = recompute_units(model)
+    able = hidden_units(model)
+    bad = sorted(chosen - set(able))
+    if bad:
+        raise ValueError(f"unit {bad[0]!r} has no hidden layer to remake; units that do: {', '.join(able) or 'none'}")
+    for name in able:
+        for b in units[name]:
+            for m in b.modules():
+                if hasattr(m, "recompute_hidden"):
+                    m.recompute_hidden = name in chosen
+    return [n for n in able if n in chosen]
+
+
+def active_hidden_recompute(model: nn.Module) -> list[str]:
+    """Units whose every `recompute_hidden` switch is on now (read from the live modules)."""
+    units = recompute_units(model)
+    return [n for n in hidden_units(model)
+            if all(m.recompute_hidden for b in units[n] for m in b.modules() if hasattr(m, "recompute_hidden"))]
