@@ -15,6 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import vtrain.models.lean as lean
 from test_dino_model import _batch
+from vtrain.config import build_config
+from vtrain.errors import ConfigError
 from vtrain.models.dino import DINO
 from vtrain.models.dino.msda import MSDeformAttn, auto_impl, ms_deform_attn
 from vtrain.models.dino.transformer import FFN
@@ -124,6 +126,78 @@ def test_encoder_ffn_remakes_its_hidden_layer_and_zeroes_relu_gradients_in_place
     _assert_bitwise(_run(m, m, x), _run(m, lambda t: _ffn_before(m, t), x))
     new, old = _kept_bytes(m, m, x), _kept_bytes(m, lambda t: _ffn_before(m, t), x)
     assert new < old - 2 * 50 * 256 * 2 * 0.9  # the bf16 hidden layer (2 x 50 x 256) is not kept
+
+
+def _within_one_rounding(got, want, dtype):
+    """Each element equal up to one rounding step of `dtype` at its size (bf16: fp32 sums that differ in their last
+    bits can round to neighbouring bf16 values), plus the reordering error of an fp32 sum, which does not shrink with
+    the result where terms cancel: 1e-6 of the tensor's largest element (8 fp32 steps)."""
+    floor = 1e-6 * float(want.abs().max())
+    if dtype == torch.bfloat16:
+        step = torch.finfo(torch.bfloat16).eps * torch.maximum(got.abs(), want.abs())
+        assert ((got - want).abs() <= step + floor).all(), (got - want).abs().max()
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=floor)
+
+
+@pytest.mark.parametrize("amp", [True, False], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("chunk", [64, 7])
+def test_encoder_ffn_in_token_chunks_changes_only_the_weight_gradient_sums(amp, chunk):
+    """Rows are computed alone, so outputs and input gradients are bitwise those of the whole FFN; the weight and
+    bias gradients are fp32 sums over chunks, rounded once: equal up to one rounding of their dtype (measured on
+    this input: bf16 at most 1 element of fc2.weight one bf16 step off, fp32 relative 1e-3 on elements that nearly
+    cancel, absolute 2e-7)."""
+    torch.manual_seed(0)
+    m = FFN(32, 256, recompute_hidden=True, chunk=chunk)
+    x = torch.randn(2, 350, 32)
+
+    def run(fn):
+        for p in m.parameters():
+            p.grad = None
+        xs = x.clone().requires_grad_()
+        with torch.autocast(**AMP, enabled=amp):
+            out = fn(xs)
+        return [out.detach()] + _grads(m, out, xs)
+
+    got, want = run(m), run(lambda t: _ffn_before(m, t))
+    _assert_bitwise(got[:2], want[:2])
+    for a, b in zip(got[2:], want[2:]):
+        _within_one_rounding(a, b, torch.bfloat16 if amp else torch.float32)
+    # the hidden layer and its gradient exist a chunk at a time: the step's peak is lower by about both
+    peaks = []
+    for c in (chunk, 0):
+        m.chunk = c
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            xs = x.clone().requires_grad_()
+            tracker = LiveBytes([*m.parameters(), xs])
+            with tracker, torch.autocast(**AMP, enabled=amp):
+                m(xs).float().sum().backward()
+            peaks.append(tracker.peak(set()))
+    hidden = 2 * 350 * 256 * (2 if amp else 4)
+    assert peaks[0] < peaks[1] - 1.5 * hidden * (1 - 2 * chunk / 700)
+
+
+def test_dino_with_chunked_encoder_ffns_differs_only_in_their_weight_gradients():
+    """The whole debug DINO (bf16, CUDA's fp32 norms), FFNs over 48 of its 256 encoder tokens at a time against all
+    at once: the loss and every gradient bitwise, except the encoder FFNs' weights and biases (one bf16 rounding)."""
+    batch = _batch()
+    runs = []
+    for chunk in (48, 0):
+        torch.manual_seed(0)
+        model = DINO("debug", 3, ffn_chunk=chunk)
+        with _fp32_norms(), torch.autocast(**AMP):
+            out = model(**batch)
+        out["loss"].backward()
+        runs.append((out["loss"].detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss, got), (loss0, want) = runs
+    assert torch.equal(loss, loss0)
+    ffn = [n for n in want if n.startswith("encoder.") and ".ffn.fc" in n]
+    assert len(ffn) == 4 * len(model.encoder.layers)
+    _assert_bitwise([got[n] for n in want if n not in ffn], [want[n] for n in want if n not in ffn])
+    for n in ffn:
+        _within_one_rounding(got[n], want[n], torch.bfloat16)
+    with pytest.raises(ConfigError, match="model.ffn_chunk"):
+        build_config("dino", overrides={"model": {"ffn_chunk": -1}})
 
 
 def test_swin_block_keeps_neither_fp32_norm_copies_nor_the_gelu_output():

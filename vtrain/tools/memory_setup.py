@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vtrain import recompute
-from vtrain.config import build_config, read_yaml
+from vtrain.config import ModelConfig, build_config, read_yaml
 from vtrain.ds_json import bucket_sizes, explicit_16bit, read_json, zero_settings
 from vtrain.engine.plan import resolve_precision
 from vtrain.errors import VtrainError
@@ -28,6 +28,7 @@ class Setup:
     precision: str = "bf16"  # no | bf16 | fp16
     grad_ckpt: tuple[str, ...] = ()  # --grad-ckpt items (vtrain/recompute.py), e.g. ("backbone", "encoder:0-2")
     ffn_recompute: bool = True  # DINO encoder FFNs remake their hidden layer in backward (ModelConfig.ffn_recompute)
+    ffn_chunk: int = ModelConfig.ffn_chunk  # ...a chunk of tokens at a time (ModelConfig.ffn_chunk)
     zero: int = 0  # 0 = DDP, 1-3 = ZeRO stage
     fsdp: bool = False
     offload: str = "none"  # none | optimizer | all
@@ -88,7 +89,7 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         s.image_size = test_sizes(size, cfg.data.max_size) if cfg.task == "dino" else (size, size)
         s.precision = resolve_precision(cfg.parallel.mixed_precision)
         s.grad_ckpt = tuple(cfg.model.grad_ckpt)
-        s.ffn_recompute = cfg.model.ffn_recompute
+        s.ffn_recompute, s.ffn_chunk = cfg.model.ffn_recompute, cfg.model.ffn_chunk
         s.fsdp = cfg.parallel.fsdp
         ds_config = ds_config or cfg.parallel.ds_config
         if cfg.task == "metric":

@@ -112,7 +112,7 @@ def build_model(setup: Setup) -> nn.Module:
     """The task's real model (tasks.build_model), default head settings, the Setup's checkpointing."""
     size = setup.image_size[0] if setup.task == "metric" else ModelConfig.image_size  # DINO takes any size
     m = ModelConfig(preset=setup.preset, image_size=size, grad_ckpt=list(setup.grad_ckpt),
-                    ffn_recompute=setup.ffn_recompute)
+                    ffn_recompute=setup.ffn_recompute, ffn_chunk=setup.ffn_chunk)
     return build_task_model(setup.task, m, setup.num_classes)
 
 

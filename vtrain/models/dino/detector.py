@@ -86,7 +86,8 @@ class ChannelMapper(nn.Module):
 
 class DINO(nn.Module):
     def __init__(self, preset: str | DinoPreset, num_classes: int, drop_path: float | None = None,
-                 num_queries: int | None = None, dn_queries: int | None = None, ffn_recompute: bool = True) -> None:
+                 num_queries: int | None = None, dn_queries: int | None = None, ffn_recompute: bool = True,
+                 ffn_chunk: int = 0) -> None:
         super().__init__()
         p = DINO_PRESETS[preset]() if isinstance(preset, str) else preset
         self.preset = p
@@ -98,8 +99,8 @@ class DINO(nn.Module):
         self.neck = ChannelMapper(self.backbone.channels, d, p.levels)
         self.level_embed = nn.Parameter(torch.empty(p.levels, d))
         self.encoder = Encoder(p.enc_layers, d, p.ffn, p.levels, p.heads, p.points)
-        for layer in self.encoder.layers:  # ModelConfig.ffn_recompute: the encoder FFN's hidden layer
-            layer.ffn.recompute_hidden = ffn_recompute
+        for layer in self.encoder.layers:  # ModelConfig.ffn_recompute/ffn_chunk: the encoder FFN's hidden layer
+            layer.ffn.recompute_hidden, layer.ffn.chunk = ffn_recompute, ffn_chunk
         self.decoder = Decoder(p.dec_layers, d, p.ffn, p.levels, p.heads, p.points)
         # two-stage: proposals from the encoder memory
         self.memory_proj = nn.Linear(d, d)

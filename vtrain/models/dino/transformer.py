@@ -16,7 +16,8 @@ from torch import nn
 
 from vtrain.models.checkpointing import recompute_mode, set_recompute
 from vtrain.models.dino.msda import MSDeformAttn
-from vtrain.models.lean import autocast_input, relu_single_use, remat
+from vtrain.models.chunked_mlp import chunked_mlp
+from vtrain.models.lean import autocast_input, relu_single_use
 
 
 def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
@@ -70,23 +71,20 @@ class MLP(nn.Module):
 
 
 class FFN(nn.Module):
-    """Post-norm FFN. With `recompute_hidden` (the encoder's: 2048 wide over every token of every level) backward
-    makes the ReLU output again from the 16-bit input instead of keeping it, 8x the input's bytes, at the cost of
-    one more fc1 matmul (lean.py; the same ops on the same tensors, so the same values)."""
+    """Post-norm FFN. With `recompute_hidden` (the encoder's: 2048 wide over every token of every level) it keeps
+    only its 16-bit input for backward and makes the ReLU output again there, `chunk` tokens at a time
+    (models/chunked_mlp.py; chunk 0: all tokens at once, the same values as the plain FFN)."""
 
-    def __init__(self, dim: int, hidden: int, recompute_hidden: bool = False) -> None:
+    def __init__(self, dim: int, hidden: int, recompute_hidden: bool = False, chunk: int = 0) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
         self.norm = nn.LayerNorm(dim)
-        self.recompute_hidden = recompute_hidden
+        self.recompute_hidden, self.chunk = recompute_hidden, chunk
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute_hidden:
-            return self.norm(x + remat(self.fc2, (self._hidden, (autocast_input(x),))))
-        return self.norm(x + self.fc2(self._hidden(x)))
-
-    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return relu_single_use(self.fc1(x))
+            return self.norm(x + chunked_mlp(x, self.fc1, self.fc2, self.chunk))
+        return self.norm(x + self.fc2(relu_single_use(self.fc1(x))))
 
 
 class EncoderBlock(nn.Module):
