@@ -40,8 +40,11 @@ _BLOCK_SUFFIXES = ("Block", "Bottleneck", "BasicBlock")  # engine/fsdp.py shards
 
 
 def sac_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective checkpointing: keep the outputs of matrix products (SAVED_OPS), recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op.name() in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective checkpointing: keep the outputs of matrix products (SAVED_OPS), recompute the rest. Products run
+    without grad (inside a custom autograd Function's forward: the encoder FFN's token chunks, chunked_mlp.py) are
+    not kept: autograd saves none of them, and the Function keeps what its backward needs itself."""
+    keep = op.name() in SAVED_OPS and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _sac_contexts():
