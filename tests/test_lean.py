@@ -17,15 +17,16 @@ import vtrain.models.lean as lean
 from test_dino_model import _batch
 from vtrain.config import build_config
 from vtrain.errors import ConfigError
+from vtrain.models.checkpointing import set_recompute
 from vtrain.models.dino import DINO
 from vtrain.models.dino.msda import MSDeformAttn, auto_impl, ms_deform_attn
-from vtrain.models.dino.transformer import FFN
+from vtrain.models.dino.transformer import FFN, EncoderBlock
 from vtrain.models.swin_attention import use_shared_bias_attention
 from vtrain.tools.memory_setup import Setup
 from vtrain.tools.memory_trace import LiveBytes, cuda_autocast_policy, trace_step
 
 AMP = dict(device_type="cpu", dtype=torch.bfloat16)
-_HOOKS_ACTIVE = lean._hooks_active
+_ENCLOSING_HOOKS = lean._enclosing_hooks
 
 
 def _grads(module, out, *inputs):
@@ -245,8 +246,45 @@ def test_autocast_input_gives_what_autocast_gives_each_layer():
     _assert_bitwise(_run(lin, lambda t: lin(lean.autocast_input(t)), x), _run(lin, lin, x))
 
 
+@pytest.mark.parametrize("mode", ["full", "sac"])
+def test_remade_tensors_are_not_kept_by_a_checkpointed_layer_either(mode, monkeypatch):
+    """Inside an activation checkpoint the recomputation keeps the 16-bit offsets and logits, not the fp32 locations
+    and weights made from them (before: remat computed plainly inside checkpoints and the recomputation kept
+    both): the peak of a checkpointed encoder layer's backward is lower by their difference, and outputs and
+    gradients are bitwise those of the layer without checkpointing."""
+    torch.manual_seed(0)
+    block = EncoderBlock(32, 64, levels=2, heads=4, points=2)
+    with torch.no_grad():
+        block.attn.sampling_offsets.weight.normal_(std=0.3)
+    shapes = [(30, 20), (15, 10)]
+    s = sum(h * w for h, w in shapes)
+    src, pos, ref = torch.randn(2, s, 32), torch.randn(2, s, 32), torch.rand(2, s, 2, 2) * 0.6 + 0.2
+    mask = torch.zeros(2, s, dtype=torch.bool)
+
+    def layer(t):
+        return block(t, pos, ref, shapes, mask)
+
+    plain = _run(block, layer, src)
+    set_recompute(block, mode)
+    _assert_bitwise(_run(block, layer, src), plain)
+
+    def peak() -> int:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            x = src.clone().requires_grad_()
+            tracker = LiveBytes([*block.parameters(), x, pos, ref, mask])
+            with tracker, cuda_autocast_policy(), auto_impl("triton"), torch.autocast(**AMP):
+                layer(x).float().sum().backward()
+            return tracker.peak(set())
+
+    lean_inside = peak()
+    monkeypatch.setattr(lean, "_enclosing_hooks", lambda: None if _ENCLOSING_HOOKS() is None else True)
+    # fp32 (B, S, heads, levels, points, 2) locations and (..., points) weights vs their 16-bit sources
+    dropped = 2 * s * 4 * 2 * 2 * (2 * 2 + 2)
+    assert lean_inside < peak() - 0.9 * dropped
+
+
 def _dino(batch, lean_on, monkeypatch):
-    monkeypatch.setattr(lean, "_hooks_active", _HOOKS_ACTIVE if lean_on else (lambda: True))
+    monkeypatch.setattr(lean, "_enclosing_hooks", _ENCLOSING_HOOKS if lean_on else (lambda: True))
     torch.manual_seed(0)
     model = DINO("debug", 3, drop_path=0.2)
     torch.manual_seed(1)
@@ -263,9 +301,9 @@ def test_dino_remade_tensors_change_nothing_in_the_whole_model(monkeypatch):
     _assert_bitwise(_dino(batch, True, monkeypatch), _dino(batch, False, monkeypatch))
     setup = Setup(task="dino", preset="debug", image_size=(128, 160), batch_size=2, precision="bf16", num_classes=5,
                   num_targets=3)
-    monkeypatch.setattr(lean, "_hooks_active", _HOOKS_ACTIVE)
+    monkeypatch.setattr(lean, "_enclosing_hooks", _ENCLOSING_HOOKS)
     lean_peak = trace_step(setup)["Activation"]
-    monkeypatch.setattr(lean, "_hooks_active", lambda: True)
+    monkeypatch.setattr(lean, "_enclosing_hooks", lambda: True)
     assert lean_peak < 0.9 * trace_step(setup)["Activation"]
 
 

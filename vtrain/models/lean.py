@@ -9,9 +9,13 @@ arithmetic, a linear layer): the recomputed tensor is then bitwise the one that 
 gradients are bitwise unchanged. `lean_norm(norm, x)` does the same for the fp32 copy of a 16-bit input that
 CUDA autocast makes for layer/group norms (its fp32 list) and that the norm would keep for backward.
 
-Both work through `torch.autograd.graph.saved_tensors_hooks`, which would take the saved tensors away from an
-enclosing activation checkpoint (it installs such hooks too): where any saved-tensor hooks are already active,
-they compute plainly and keep what autograd keeps (a checkpointed unit keeps nothing of it anyway).
+Both work through `torch.autograd.graph.saved_tensors_hooks`. Inside an activation checkpoint (torch's
+non-reentrant `checkpoint`, full or selective), whose own hooks keep nothing in the forward and the tensors of its
+recomputation until backward unpacks them, they hand every saved tensor on to the checkpoint's hooks, and a
+dropped one as a one-element placeholder of the same shape, dtype and device that carries its recipe: the
+recomputation then keeps the recipe's inputs instead of the dropped tensor, and backward makes it from them (the
+checkpoint checks only shape, dtype and device of what it recomputes). Under other saved-tensor hooks (a user's,
+CPU offload) they compute plainly and keep what autograd keeps.
 """
 
 from __future__ import annotations
@@ -27,10 +31,17 @@ _LOW = (torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
 
 
-def _hooks_active() -> bool:
-    """Saved-tensor hooks already installed (activation checkpointing, selective or full, or a user's)."""
+def _enclosing_hooks() -> tuple | None | bool:
+    """The saved-tensor hooks active now: None (none), the (pack, unpack) pair of torch's checkpoint (its forward
+    or its recomputation), or True (other hooks, or a torch without this query: stay plain)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None  # unknown torch: assume so, and stay plain
+    if top is None:
+        return True
+    hooks = top(False)
+    if hooks is None:
+        return None
+    # torch.utils.checkpoint marks its own pack hooks (`_checkpoint_internal`, torch 2.x)
+    return hooks if getattr(hooks[0], "_checkpoint_internal", False) else True
 
 
 class _Recipe:
@@ -62,27 +73,47 @@ class _autocast_as:
 
 
 class _Saved:
-    """What autograd holds instead of a saved tensor: the tensor itself, or a recipe and the view to take."""
+    """What autograd holds instead of a saved tensor: the tensor itself, or a recipe and the view to take; inside
+    a checkpoint, what the checkpoint's pack returned (for a dropped tensor: for its placeholder) and the view."""
 
-    __slots__ = ("tensor", "recipe", "view")
+    __slots__ = ("tensor", "recipe", "view", "inner", "unpack")
 
     def __init__(self, t: Tensor) -> None:
         self.tensor: Tensor | None = t
         self.recipe: _Recipe | None = None
         self.view: tuple = ()
+        self.inner, self.unpack = None, None
 
-    def drop_for(self, recipe: _Recipe) -> None:
+    def settle(self, recipe: _Recipe | None, outer: tuple | None) -> None:
+        """Drop the tensor for `recipe` (if any); inside a checkpoint, hand it (or its placeholder) on."""
         t = self.tensor
-        self.view = (t.size(), t.stride(), t.storage_offset())
-        self.tensor, self.recipe = None, recipe
+        if recipe is not None:
+            self.view = (t.size(), t.stride(), t.storage_offset())
+            self.tensor, self.recipe = None, recipe
+        if outer is not None:
+            self.inner = outer[0](t if recipe is None else _placeholder(t, recipe))
+            self.tensor, self.recipe, self.unpack = None, None, outer[1]
 
     def get(self) -> Tensor:
+        if self.unpack is not None:
+            t = self.unpack(self.inner)
+            recipe = getattr(t, "_vtrain_recipe", None)  # the placeholder the recomputation handed on
+            return t if recipe is None else recipe.make().as_strided(*self.view)
         if self.tensor is not None:
             return self.tensor
         return self.recipe.make().as_strided(*self.view)
 
 
-def _record(run: Callable[[], Any]) -> tuple[Any, list[_Saved]]:
+def _placeholder(t: Tensor, recipe: _Recipe) -> Tensor:
+    ph = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+    ph._vtrain_recipe = recipe
+    return ph
+
+
+def _record(run: Callable[[], Any], choose: Callable[[Tensor], _Recipe | None], outer: tuple | None) -> Any:
+    """`run()`; then each tensor autograd saved on the way is kept where `choose(tensor)` is None and dropped for
+    the recipe it returns otherwise. `outer`: the enclosing checkpoint's hooks, handed every saved tensor (or
+    placeholder) in the order autograd saved them, before anything outside `run` saves again."""
     saved: list[_Saved] = []
 
     def pack(t: Tensor) -> _Saved:
@@ -92,13 +123,16 @@ def _record(run: Callable[[], Any]) -> tuple[Any, list[_Saved]]:
 
     with saved_tensors_hooks(pack, _Saved.get):
         out = run()
-    return out, saved
+    for s in saved:
+        s.settle(choose(s.tensor), outer)
+    return out
 
 
 def remat(consumer: Callable[..., Any], *products: tuple[Callable[..., Tensor], tuple[Any, ...]]) -> Any:
     """`consumer(*outs)` with `outs[i] = producer_i(*args_i)` for `products = ((producer_i, args_i), ...)`; backward
     keeps the `args_i` instead of whatever it saves of the outputs (each made again when first needed)."""
-    if not torch.is_grad_enabled() or _hooks_active():
+    outer = _enclosing_hooks() if torch.is_grad_enabled() else True
+    if outer is True:
         return consumer(*(fn(*args) for fn, args in products))
     outs: list[Tensor] = []
 
@@ -106,29 +140,31 @@ def remat(consumer: Callable[..., Any], *products: tuple[Callable[..., Tensor], 
         outs.extend(fn(*args) for fn, args in products)
         return consumer(*outs)
 
-    y, saved = _record(run)
-    recipes = {id(out.untyped_storage()): _Recipe(fn, args) for out, (fn, args) in zip(outs, products)}
-    for s in saved:
-        recipe = recipes.get(id(s.tensor.untyped_storage()))
-        if recipe is not None:
-            s.drop_for(recipe)
-    return y
+    recipes: dict[int, _Recipe] = {}
+
+    def choose(t: Tensor) -> _Recipe | None:
+        if not recipes:
+            recipes.update({id(o.untyped_storage()): _Recipe(fn, a) for o, (fn, a) in zip(outs, products)})
+        return recipes.get(id(t.untyped_storage()))
+
+    return _record(run, choose, outer)
 
 
 def lean_norm(norm: nn.Module, x: Tensor) -> Tensor:
     """`norm(x)` for a LayerNorm or GroupNorm; if autocast runs it on an fp32 copy of the 16-bit `x` (CUDA's fp32
     list), that copy is made again from `x` in backward instead of being kept (half the bytes)."""
-    if x.dtype not in _LOW or not torch.is_grad_enabled() or _hooks_active():
+    outer = _enclosing_hooks() if x.dtype in _LOW and torch.is_grad_enabled() else True
+    if outer is True:
         return norm(x)
-    y, saved = _record(lambda: norm(x))
     own = {id(p) for p in norm.parameters()}
     recipe = _Recipe(Tensor.float, (x,))
-    for s in saved:
-        t = s.tensor
+
+    def choose(t: Tensor) -> _Recipe | None:
         # the norm keeps its input, weight, bias and statistics: the input is the tensor of x's shape in fp32
-        if t.dtype == torch.float32 and t.shape == x.shape and t.dim() >= 2 and id(t) not in own:
-            s.drop_for(recipe)
-    return y
+        keep = t.dtype != torch.float32 or t.shape != x.shape or t.dim() < 2 or id(t) in own
+        return None if keep else recipe
+
+    return _record(lambda: norm(x), choose, outer)
 
 
 def autocast_input(x: Tensor) -> Tensor:
