@@ -56,6 +56,9 @@ class _Recipe:
         if self.value is None:
             with torch.no_grad(), _autocast_as(self.autocast):
                 self.value = self.producer(*self.args)
+            # the inputs can go now: a second saved view (softmax keeps the weights the op also keeps) may hold
+            # this recipe until a later backward, and needs only the value
+            self.producer = self.args = None
         return self.value
 
 
