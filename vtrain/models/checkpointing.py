@@ -17,6 +17,7 @@ by a planner that tries sets of units. Model code calls nothing here except its 
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Iterable, Mapping
 
@@ -51,11 +52,18 @@ def _sac_contexts():
     return create_selective_checkpoint_contexts(sac_policy)
 
 
+# torch 2.14 asks whether the tensors selective checkpointing caches should also go through saved-tensor hooks active
+# around them (it warns, and will change its default). models/lean.py's hooks, active inside units, must see only
+# what autograd saves, which is the old behaviour: asked for explicitly where torch knows the choice.
+_SAC_BYPASSES_HOOKS = ({"respect_saved_tensors_hooks": False}
+                       if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+
+
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
     fwd = functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
         return fwd(*args, **kwargs)
-    extra = {"context_fn": _sac_contexts} if self._vtrain_recompute == "sac" else {}
+    extra = {"context_fn": _sac_contexts, **_SAC_BYPASSES_HOOKS} if self._vtrain_recompute == "sac" else {}
     return checkpoint(fwd, *args, use_reentrant=False, **extra, **kwargs)
 
 

@@ -40,8 +40,19 @@ def _enclosing_hooks() -> tuple | None | bool:
     hooks = top(False)
     if hooks is None:
         return None
-    # torch.utils.checkpoint marks its own pack hooks (`_checkpoint_internal`, torch 2.x)
-    return hooks if getattr(hooks[0], "_checkpoint_internal", False) else True
+    return hooks if _is_checkpoint_hook(hooks[0]) else True
+
+
+# torch.utils.checkpoint's own pack hooks: its forward's and its recomputation's (the names of torch 2.1-2.14; 2.14
+# also marks them `_checkpoint_internal`)
+_CHECKPOINT_PACKS = ("_checkpoint_hook.__init__.<locals>.pack_hook", "_recomputation_hook.__init__.<locals>.pack_hook")
+
+
+def _is_checkpoint_hook(pack: Any) -> bool:
+    if getattr(pack, "_checkpoint_internal", False):
+        return True
+    return getattr(pack, "__module__", "") == "torch.utils.checkpoint" and \
+        getattr(pack, "__qualname__", "") in _CHECKPOINT_PACKS
 
 
 class _Recipe:
@@ -113,22 +124,45 @@ def _placeholder(t: Tensor, recipe: _Recipe) -> Tensor:
     return ph
 
 
-def _record(run: Callable[[], Any], choose: Callable[[Tensor], _Recipe | None], outer: tuple | None) -> Any:
-    """`run()`; then each tensor autograd saved on the way is kept where `choose(tensor)` is None and dropped for
-    the recipe it returns otherwise. `outer`: the enclosing checkpoint's hooks, handed every saved tensor (or
-    placeholder) in the order autograd saved them, before anything outside `run` saves again."""
-    saved: list[_Saved] = []
+class _Recorder:
+    """Saved-tensor hooks that keep each saved tensor or drop it for the recipe `choose(tensor)` returns; inside a
+    checkpoint they hand every saved tensor (or placeholder) on to the checkpoint's hooks, in the order autograd
+    saved them. That happens at once where `choose` can tell, so parameters reach the checkpoint while the engine
+    has them gathered (ZeRO-3 releases them after each module's forward); tensors saved while the producers of
+    `remat` still run wait for `settle()`, called once their outputs are known."""
 
-    def pack(t: Tensor) -> _Saved:
+    def __init__(self, choose: Callable[[Tensor], Any], outer: tuple | None) -> None:
+        self.choose, self.outer = choose, outer
+        self.waiting: list[_Saved] = []
+
+    def pack(self, t: Tensor) -> _Saved:
         s = _Saved(t)
-        saved.append(s)
+        if isinstance(t, nn.Parameter):
+            s.settle(None, self.outer)  # never a producer's output
+            return s
+        if self.waiting or (recipe := self.choose(t)) is _LATER:
+            self.waiting.append(s)
+        else:
+            s.settle(recipe, self.outer)
         return s
 
-    with saved_tensors_hooks(pack, _Saved.get):
-        out = run()
-    for s in saved:
-        s.settle(choose(s.tensor), outer)
-    return out
+    def settle(self) -> None:
+        for s in self.waiting:
+            s.settle(self.choose(s.tensor), self.outer)
+        self.waiting.clear()
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        try:
+            with saved_tensors_hooks(self.pack, _Saved.get):
+                out = fn()
+            self.settle()
+        finally:
+            # the graph keeps the pack hook, and so this object, as long as it lives: let go of the recipes
+            self.choose, self.outer = None, None
+        return out
+
+
+_LATER = object()  # `choose`: not known yet
 
 
 def remat(consumer: Callable[..., Any], *products: tuple[Callable[..., Tensor], tuple[Any, ...]]) -> Any:
@@ -137,20 +171,29 @@ def remat(consumer: Callable[..., Any], *products: tuple[Callable[..., Tensor], 
     outer = _enclosing_hooks() if torch.is_grad_enabled() else True
     if outer is True:
         return consumer(*(fn(*args) for fn, args in products))
-    outs: list[Tensor] = []
-
-    def run() -> Any:
-        outs.extend(fn(*args) for fn, args in products)
-        return consumer(*outs)
-
     recipes: dict[int, _Recipe] = {}
 
-    def choose(t: Tensor) -> _Recipe | None:
-        if not recipes:
-            recipes.update({id(o.untyped_storage()): _Recipe(fn, a) for o, (fn, a) in zip(outs, products)})
-        return recipes.get(id(t.untyped_storage()))
+    def choose(t: Tensor) -> Any:
+        return recipes.get(id(t.untyped_storage())) if recipes else _LATER
 
-    return _record(run, choose, outer)
+    def run() -> Any:
+        outs = [fn(*args) for fn, args in products]
+        # what the producers saved can be told apart now (a producer may save its own output: softmax)
+        recipes.update({id(o.untyped_storage()): _Recipe(fn, a) for o, (fn, a) in zip(outs, products)})
+        recorder.settle()
+        return consumer(*outs)
+
+    recorder = _Recorder(choose, outer)
+    return recorder.run(run)
+
+
+def remat_in_checkpoint(consumer: Callable[..., Any], *products: tuple[Callable[..., Tensor], tuple[Any, ...]]) -> Any:
+    """`remat` inside an activation checkpoint, plain outside it. For producers whose output is smaller than their
+    inputs (a 16-bit cast of an fp32 tensor, the fp32 sum of a kept tensor and a 16-bit one): keeping the inputs
+    pays only where they are kept anyway, as a checkpointed layer's recomputation keeps the layer's inputs."""
+    if torch.is_grad_enabled() and isinstance(_enclosing_hooks(), tuple):
+        return remat(consumer, *products)
+    return consumer(*(fn(*args) for fn, args in products))
 
 
 def lean_norm(norm: nn.Module, x: Tensor) -> Tensor:
@@ -167,7 +210,7 @@ def lean_norm(norm: nn.Module, x: Tensor) -> Tensor:
         keep = t.dtype != torch.float32 or t.shape != x.shape or t.dim() < 2 or id(t) in own
         return None if keep else recipe
 
-    return _record(lambda: norm(x), choose, outer)
+    return _Recorder(choose, outer).run(lambda: norm(x))
 
 
 def autocast_input(x: Tensor) -> Tensor:
