@@ -21,7 +21,7 @@ from vtrain.models.checkpointing import apply_spec, backbone_units
 from vtrain.models.lean import autocast_input, lean_norm
 from vtrain.models.dino.criterion import dino_loss
 from vtrain.models.dino.denoising import build_denoising
-from vtrain.models.dino.transformer import MLP, Decoder, Encoder, inverse_sigmoid, sine_position_2d
+from vtrain.models.dino.transformer import MLP, Decoder, Encoder, LevelPositions, inverse_sigmoid
 from vtrain.models.swin_attention import use_shared_bias_attention
 from vtrain.presets import DINO_PRESETS, DinoPreset
 
@@ -138,20 +138,20 @@ class DINO(nn.Module):
 
     # ---- forward pieces ----------------------------------------------------------------------------------------
     def _flatten(self, feats: list[torch.Tensor], mask: torch.Tensor):
-        srcs, masks, poss, shapes, ratios = [], [], [], [], []
-        for lvl, f in enumerate(feats):
+        srcs, masks, level_masks, shapes, ratios = [], [], [], [], []
+        for f in feats:
             b, _, h, w = f.shape
             m = F.interpolate(mask[None].float(), size=(h, w))[0].bool()
-            pos = sine_position_2d(m, f.shape[1] // 2).to(f.dtype)
+            level_masks.append(m)
             shapes.append((h, w))
             valid_h = (~m[:, :, 0]).sum(1).float() / h
             valid_w = (~m[:, 0, :]).sum(1).float() / w
             ratios.append(torch.stack([valid_w, valid_h], -1))
             srcs.append(f.flatten(2).transpose(1, 2))
             masks.append(m.flatten(1))
-            poss.append(pos.flatten(2).transpose(1, 2) + self.level_embed[lvl].to(f.dtype))
-        return (torch.cat(srcs, 1), torch.cat(masks, 1), torch.cat(poss, 1), shapes,
-                torch.stack(ratios, 1).clamp(min=1e-3))
+        # positions are made by each encoder layer (transformer.LevelPositions), not kept
+        pos = LevelPositions(level_masks, self.level_embed, feats[0].dtype)
+        return (torch.cat(srcs, 1), torch.cat(masks, 1), pos, shapes, torch.stack(ratios, 1).clamp(min=1e-3))
 
     @staticmethod
     def _proposals(memory: torch.Tensor, mask: torch.Tensor, shapes: list[tuple[int, int]]):
