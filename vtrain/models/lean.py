@@ -196,21 +196,44 @@ def remat_in_checkpoint(consumer: Callable[..., Any], *products: tuple[Callable[
     return consumer(*(fn(*args) for fn, args in products))
 
 
-def lean_norm(norm: nn.Module, x: Tensor) -> Tensor:
+def lean_norm(norm: nn.Module, x: Tensor, source: tuple[Callable[..., Tensor], tuple[Any, ...]] | None = None,
+              call: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """`norm(x)` for a LayerNorm or GroupNorm; if autocast runs it on an fp32 copy of the 16-bit `x` (CUDA's fp32
-    list), that copy is made again from `x` in backward instead of being kept (half the bytes)."""
-    outer = _enclosing_hooks() if x.dtype in _LOW and torch.is_grad_enabled() else True
+    list), that copy is made again from `x` in backward instead of being kept (half the bytes). `source=(fn, args)`:
+    `x` is `fn(*args)`, a layout copy of tensors kept anyway; backward then keeps `args` instead of `x` or its fp32
+    copy. `call`: the norm's own forward, for a norm module that calls this from its forward."""
+    run = call or norm
+    low = x.dtype in _LOW
+    outer = _enclosing_hooks() if (low or source is not None) and torch.is_grad_enabled() else True
     if outer is True:
-        return norm(x)
+        return run(x)
     own = {id(p) for p in norm.parameters()}
-    recipe = _Recipe(Tensor.float, (x,))
+    storage = id(x.untyped_storage())
+    if source is None:
+        itself, copy = None, _Recipe(Tensor.float, (x,))
+    else:
+        fn, args = source
+        itself, copy = _Recipe(fn, args), _Recipe(lambda *a: fn(*a).float(), args)
 
     def choose(t: Tensor) -> _Recipe | None:
-        # the norm keeps its input, weight, bias and statistics: the input is the tensor of x's shape in fp32
-        keep = t.dtype != torch.float32 or t.shape != x.shape or t.dim() < 2 or id(t) in own
-        return None if keep else recipe
+        # the norm keeps its input (x itself, or its fp32 copy: the tensor of x's shape in fp32), weight, bias and
+        # statistics
+        if id(t) in own:
+            return None
+        if id(t.untyped_storage()) == storage:
+            return itself
+        is_copy = low and t.dtype == torch.float32 and t.shape == x.shape and t.dim() >= 2
+        return copy if is_copy else None
 
-    return _Recorder(choose, outer).run(lambda: norm(x))
+    return _Recorder(choose, outer).run(lambda: run(x))
+
+
+class LeanLayerNorm(nn.LayerNorm):
+    """A LayerNorm that keeps a 16-bit input rather than autocast's fp32 copy of it (lean_norm). Made by switching
+    the class of an existing LayerNorm inside a model that is not ours (the same parameters and state-dict keys)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return lean_norm(self, x, call=super().forward)
 
 
 def autocast_input(x: Tensor) -> Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import timm
+from timm.models.swin_transformer import SwinTransformer
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +24,7 @@ from vtrain.models.dino.criterion import dino_loss
 from vtrain.models.dino.denoising import build_denoising
 from vtrain.models.dino.transformer import MLP, Decoder, Encoder, LevelPositions, inverse_sigmoid
 from vtrain.models.swin_attention import use_shared_bias_attention
+from vtrain.models.swin_lean import swin_features, use_lean_swin
 from vtrain.presets import DINO_PRESETS, DinoPreset
 
 
@@ -39,6 +41,10 @@ class Backbone(nn.Module):
         self.body = timm.create_model(p.timm_name, pretrained=False, num_classes=0, **kwargs)
         # Swin: no per-image/window/head N x N tensors at detection sizes (swin_attention.py)
         use_shared_bias_attention(self.body)
+        # Swin read out stage by stage, one kept copy of each taken stage output (swin_lean.py)
+        self.swin = isinstance(self.body, SwinTransformer) and p.out_norm
+        if self.swin:
+            use_lean_swin(self.body)
         self.indices = list(p.out_indices)
         self.body.prune_intermediate_layers(self.indices, prune_norm=True, prune_head=True)
         self.channels = [self.body.feature_info[i]["num_chs"] for i in self.indices]
@@ -52,6 +58,8 @@ class Backbone(nn.Module):
                     param.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.swin:
+            return swin_features(self.body, x, self.indices, self.out_norms)
         feats = self.body.forward_intermediates(x, indices=self.indices, intermediates_only=True)
         if self.out_norms is not None:
             feats = [lean_norm(n, f.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) for n, f in zip(self.out_norms, feats)]
