@@ -1,5 +1,5 @@
-"""A two-layer ReLU MLP, `fc2(relu(fc1(x)))`, run over the rows of `x` a chunk at a time, forward and backward, that
-keeps only its input for backward (docs/recompute.md §3).
+"""A residual two-layer ReLU MLP, `x + fc2(relu(fc1(x)))`, run over the rows of `x` a chunk at a time, forward and
+backward, that keeps only its (16-bit) input for backward (docs/recompute.md §3).
 
 DINO's encoder FFN is 2048 wide over every token of every level: at 800x1333, batch 2, its hidden layer is 0.68 GiB
 in bf16, and backward needs it and its gradient at once. Made again in backward a chunk of rows at a time, neither
@@ -43,32 +43,35 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     return a.float().mm(b.float())
 
 
-class _ChunkedMLP(torch.autograd.Function):
+class _ResidualMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, chunk: int) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        out = rows.new_empty(rows.shape[0], w2.shape[0])
+    def forward(ctx: Any, res: Tensor, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, chunk: int) -> Tensor:
+        rows, res_rows = x.reshape(-1, x.shape[-1]), res.reshape(-1, res.shape[-1])
+        # the sum's dtype as `res + y` promotes it (fp32 residual stream + 16-bit MLP output: fp32)
+        out = res_rows.new_empty(res_rows.shape, dtype=torch.result_type(res, b2))
         for s in range(0, max(rows.shape[0], 1), chunk):
-            # F.linear's op on a row block; relu in place (the same values as relu)
+            # F.linear's ops on a row block; relu in place (the same values as relu)
             h = torch.addmm(b1, rows[s:s + chunk], w1.t()).relu_()
-            torch.addmm(b2, h, w2.t(), out=out[s:s + chunk])
+            torch.add(res_rows[s:s + chunk], torch.addmm(b2, h, w2.t()), out=out[s:s + chunk])
+            del h  # before the next chunk's is made
         ctx.save_for_backward(x, w1, b1, w2)
         ctx.chunk, ctx.b2_dtype = chunk, b2.dtype
-        return out.view(*x.shape[:-1], w2.shape[0])
+        return out.view(res.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):
         x, w1, b1, w2 = ctx.saved_tensors
         rows, g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         n, chunk = rows.shape[0], ctx.chunk
-        gx = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
+        gx = torch.empty_like(rows) if ctx.needs_input_grad[1] else None
         # one chunk: the ops autograd runs for F.linear, in the 16-bit dtype; several: fp32 sums, rounded once
         one = n <= chunk
         mm = torch.mm if one else _mm_fp32
         wide = {} if one else {"dtype": torch.float32}
         sums = None  # d(w1), d(b1), d(w2), d(b2)
         for s in range(0, max(n, 1), chunk):
-            xc, gc = rows[s:s + chunk], g[s:s + chunk]
+            # the sum's gradient as the MLP output's dtype takes it (what autograd's add does), a chunk at a time
+            xc, gc = rows[s:s + chunk], g[s:s + chunk].to(ctx.b2_dtype)
             h = torch.addmm(b1, xc, w1.t()).relu_()
             part = [None, None, mm(gc.t(), h), gc.sum(0, **wide)]
             gh = gc.mm(w2)
@@ -81,13 +84,15 @@ class _ChunkedMLP(torch.autograd.Function):
             del gh
             sums = part if sums is None else [a.add_(b) for a, b in zip(sums, part)]
         gw1, gb1, gw2, gb2 = (a.to(dt) for a, dt in zip(sums, (w1.dtype, b1.dtype, w2.dtype, ctx.b2_dtype)))
-        return (gx.view_as(x) if gx is not None else None), gw1, gb1, gw2, gb2, None
+        # the residual's gradient is the sum's (add's backward)
+        return grad, (gx.view_as(x) if gx is not None else None), gw1, gb1, gw2, gb2, None
 
 
-def chunked_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, chunk: int) -> Tensor:
-    """`fc2(relu(fc1(x)))` over `chunk` rows of `x` at a time (chunk <= 0: all rows at once), keeping only `x`
-    (as autocast casts it) for backward. Under autocast the weights are cast as autocast casts them."""
+def residual_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, chunk: int) -> Tensor:
+    """`x + fc2(relu(fc1(x)))` over `chunk` rows of `x` at a time (chunk <= 0: all rows at once), keeping only `x`
+    as autocast casts it for the matmuls (a 16-bit copy under autocast) for backward; the MLP's output never exists
+    whole either. Under autocast the weights are cast as autocast casts them."""
     rows = x.numel() // x.shape[-1]
     chunk = rows if chunk <= 0 else min(chunk, max(rows, 1))
     c = autocast_input
-    return _ChunkedMLP.apply(c(x), c(fc1.weight), c(fc1.bias), c(fc2.weight), c(fc2.bias), chunk)
+    return _ResidualMLP.apply(x, c(x), c(fc1.weight), c(fc1.bias), c(fc2.weight), c(fc2.bias), chunk)

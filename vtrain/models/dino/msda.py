@@ -21,6 +21,7 @@ output may be bf16.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -272,6 +273,13 @@ _op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---- the module ------------------------------------------------------------------------------------------------
+HEAD_CHUNK = 4  # heads sampled per call of the op (MSDeformAttn.forward)
+
+
+def _sample(value: Tensor, spatial_shapes: list[tuple[int, int]], loc: Tensor, weights: Tensor) -> Tensor:
+    return ms_deform_attn(value, spatial_shapes, loc, weights)
+
+
 def _query_copy(query: Tensor, query_pos: Tensor | Callable[[], Tensor] | None) -> Tensor:
     """The query (plus its positions) as both projections take it: one 16-bit copy for the two (lean.py)."""
     if query_pos is not None:
@@ -328,15 +336,25 @@ class MSDeformAttn(nn.Module):
         v = remat_in_checkpoint(self.value_proj, (autocast_input, (value,)))
         if padding_mask is not None:
             v = v.masked_fill(padding_mask[..., None], 0.0)
-        v = v.view(b, s, self.heads, self.dim // self.heads)
+        # the sampling runs HEAD_CHUNK heads at a time: heads sample their own channels only, so each output and
+        # gradient element is computed as before, and its fp32 locations, weights and their gradients exist a chunk
+        # at a time (inside a checkpointed encoder layer they were the peak of its backward). Not where the
+        # reference points take a gradient (DINO's never do): theirs would sum the heads in two parts.
+        chunk = self.heads if reference_points.requires_grad else HEAD_CHUNK
+        v = v.view(b, s, self.heads, self.dim // self.heads).split(chunk, 2)
+        v = [part.contiguous() for part in v] if len(v) > 1 else v
         offsets, logits = remat_in_checkpoint(self._project, (_query_copy, (query, query_pos)))
         ref = reference_points.float()
         if ref.shape[-1] not in (2, 4):
             raise ValueError(f"reference_points must end in 2 or 4 values, got {tuple(ref.shape)}")
         # the op keeps the fp32 locations and weights for backward; they are made again there from the 16-bit
         # offsets and logits (half the bytes), the same ops on the same tensors (lean.py)
-        out = remat(lambda loc, weights: ms_deform_attn(v, spatial_shapes, loc, weights),
-                    (self._locations, (ref, offsets, spatial_shapes)), (self._weights, (logits,)))
+        outs = [remat(functools.partial(_sample, vh, spatial_shapes), (self._locations, (ref, off, spatial_shapes)),
+                      (self._weights, (lg,)))
+                for vh, off, lg in zip(v, offsets.split(chunk, 2), logits.split(chunk, 2))]
+        del v
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+        del outs
         # out is in v's dtype, which is what output_proj computes in (autocast's dtype, or its own weights')
         return self.output_proj(out)
 
@@ -347,7 +365,7 @@ class MSDeformAttn(nn.Module):
 
     def _weights(self, logits: Tensor) -> Tensor:
         b, q = logits.shape[:2]
-        return logits.float().softmax(-1).view(b, q, self.heads, self.levels, self.points)
+        return logits.float().softmax(-1).view(b, q, logits.shape[2], self.levels, self.points)
 
     def _locations(self, ref: Tensor, offsets: Tensor, spatial_shapes: list[tuple[int, int]]) -> Tensor:
         # fp32 reference points promote the (possibly bf16) offsets: the locations are fp32 without a copy

@@ -16,7 +16,7 @@ from torch import nn
 
 from vtrain.models.checkpointing import recompute_mode, set_recompute
 from vtrain.models.dino.msda import MSDeformAttn
-from vtrain.models.chunked_mlp import chunked_mlp
+from vtrain.models.chunked_mlp import residual_mlp
 from vtrain.models.lean import autocast_input, relu_single_use, remat_in_checkpoint
 
 
@@ -104,7 +104,7 @@ class FFN(nn.Module):
     def residual(self, x: torch.Tensor) -> torch.Tensor:
         """x + fc2(relu(fc1(x))): the FFN before its norm."""
         if self.recompute_hidden:
-            return x + chunked_mlp(x, self.fc1, self.fc2, self.chunk)
+            return residual_mlp(x, self.fc1, self.fc2, self.chunk)
         return x + self.fc2(relu_single_use(self.fc1(x)))
 
 
