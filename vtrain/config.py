@@ -97,7 +97,7 @@ class ModelConfig:
     for Swin-L at 800x1333, batch 2, for one more fc1 matmul per layer (+18% forward FLOPs); docs/recompute.md."""
     ffn_chunk: int = 16384
     """DINO, with ffn_recompute: the encoder FFNs run forward and backward over this many tokens at a time, so their
-    2048-wide hidden layer and its gradient never exist whole (1.3 GiB less at the peak of Swin-L 800x1333 batch 2
+    2048-wide hidden layer and its gradient never exist whole (1.0 GiB less at the peak of Swin-L 800x1333 batch 2
     with the encoder checkpointed, no extra FLOPs); 0 runs all tokens at once. The weight gradients then sum over
     chunks in fp32: within one rounding of their dtype of the unchunked ones (docs/recompute.md §3)."""
 

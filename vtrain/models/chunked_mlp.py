@@ -32,14 +32,24 @@ from torch._subclasses.fake_tensor import is_fake
 from vtrain.models.lean import autocast_input
 
 
+_MIXED_MM: list[bool] = []  # whether this torch has `mm(..., out_dtype=)`, learnt on first use
+
+
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     """`a @ b` with fp32 output: exact products of 16-bit inputs summed in fp32. CUDA (and the estimator's fake
-    tensors, which trace a GPU run) has a mixed-dtype mm; the CPU in torch 2.14 does not (`aten::mm.dtype` is
-    CUDA-only), so there the inputs are widened first, which gives the same products."""
+    tensors, which trace a GPU run) has a mixed-dtype mm in recent torch (2.14: `aten::mm.dtype`, CUDA-only); the
+    CPU, and a torch without it, widen the inputs first, which gives the same products (and a transient fp32 copy
+    of the chunk)."""
     if a.dtype == torch.float32:
         return a.mm(b)
-    if a.device.type == "cuda" or is_fake(a):
-        return torch.mm(a, b, out_dtype=torch.float32)
+    if (a.device.type == "cuda" or is_fake(a)) and _MIXED_MM != [False]:
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MIXED_MM[:] = [False]
+        else:
+            _MIXED_MM[:] = [True]
+            return out
     return a.float().mm(b.float())
 
 
