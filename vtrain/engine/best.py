@@ -15,7 +15,6 @@ from typing import Any
 from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
 
-FILE = "best.json"
 ALIASES = {"acc": "balanced_accuracy", "accuracy": "balanced_accuracy"}
 LOWER_IS_BETTER = ("loss", "error", "err", "eer", "far_achieved")
 
@@ -63,7 +62,7 @@ class BestKeeper:
 
     @property
     def path(self) -> Path:
-        return ckpt.checkpoint_dir(self.out) / FILE
+        return ckpt.checkpoint_dir(self.out) / ckpt.BEST
 
     def restore(self, resumed_step: int) -> str | None:
         """On resume: keep the lineage's best when its checkpoint is at or before the resumed step and still
@@ -106,7 +105,7 @@ class BestKeeper:
 
 
 def read(output_dir: Path) -> dict[str, Any] | None:
-    path = ckpt.checkpoint_dir(output_dir) / FILE
+    path = ckpt.checkpoint_dir(output_dir) / ckpt.BEST
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -121,10 +120,10 @@ def best_checkpoint(run_dir: str | Path, flag: str) -> Path:
         raise VtrainError(f"{flag} --best: give the run directory, not the checkpoint {run}")
     found = read(run)
     if found is None:
-        raise VtrainError(f"{flag} --best: {ckpt.checkpoint_dir(run) / FILE} is missing or unreadable (was the run "
-                          "trained with --keep-best?)")
+        raise VtrainError(f"{flag} --best: {ckpt.checkpoint_dir(run) / ckpt.BEST} is missing or unreadable (was the "
+                          "run trained with --keep-best?)")
     path = ckpt.final_path(run, found["step"])
     if not ckpt.is_checkpoint(path):
-        raise VtrainError(f"{flag} --best: {FILE} names {path.name}, which is not a complete checkpoint")
+        raise VtrainError(f"{flag} --best: {ckpt.BEST} names {path.name}, which is not a complete checkpoint")
     ckpt.verify_or_raise(path, flag)
     return path

@@ -8,6 +8,9 @@ A run prunes only checkpoints whose manifest carries its own run id (carried acr
 the files its manifest lists: a directory without a manifest, another run's checkpoint or a file a user put
 inside a checkpoint is never deleted. Rank 0 alone renames, prunes and writes shared files; every rank writes its
 own shards (DeepSpeed, FSDP2) into the same temp dir (a shared filesystem across nodes is assumed).
+
+This module is the format: every layout name (below), the manifest, `TrainState` (train_state.json), verify, prune
+and find. Which rank writes and reads what, and when, is engine/checkpointer.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +30,24 @@ from vtrain.errors import VtrainError
 from vtrain.files import write_json_atomic
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
-COMPLETE = "COMPLETE"
 FORMAT = "vtrain-checkpoint"
-TRAIN_STATE = "train_state.json"
+
+# ---- the layout: every name a checkpoint (or the run directory around it) uses, defined here once -----------------
+CHECKPOINTS = "checkpoints"  # <output>/checkpoints/step_<N>/
+STAGING = ".tmp-step_"  # <output>/checkpoints/.tmp-step_<N>/ while it is written
+COMPLETE = "COMPLETE"  # the manifest, written last
+TRAIN_STATE = "train_state.json"  # the loop's state: `TrainState` below
 LEGACY_TRAIN_STATE = "train_state.pt"  # vtrain <= 0.1 (a weights-only pickle of plain types)
+CONFIG = "config.yaml"  # the run's resolved config (also in the output directory itself)
+MODEL = "model.safetensors"  # the whole model in fp32, gathered on rank 0
+EMA = "ema.safetensors"  # the whole EMA model in fp32 (--ema-decay), its state in the metadata
+ACCELERATE = "accelerate"  # Accelerate's save_state: model, optimizer, per-rank RNG (DeepSpeed: its engine files)
+DS_TAG = "pytorch_model"  # the DeepSpeed checkpoint tag Accelerate's save_state writes inside ACCELERATE
+FSDP = "fsdp"  # FSDP2: model and optimizer as a torch distributed checkpoint
+HEAD = "head"  # --head-parallel sharded: one file per rank's class range (engine/head_shard.py)
 CATEGORIES = "categories.json"  # detection: class ids and names in label order, for `vtrain predict`
+BEST = "best.json"  # --keep-best, in CHECKPOINTS beside the step dirs (engine/best.py)
+UNIVERSAL = "universal"  # <output>/universal/step_<N>/: a ZeRO checkpoint converted for another world size
 
 
 class CheckpointError(VtrainError):
@@ -49,11 +65,11 @@ class Manifest:
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
+    return Path(output_dir) / CHECKPOINTS
 
 
 def tmp_path(output_dir: str | Path, step: int) -> Path:
-    return checkpoint_dir(output_dir) / f".tmp-step_{step}"
+    return checkpoint_dir(output_dir) / f"{STAGING}{step}"
 
 
 def final_path(output_dir: str | Path, step: int) -> Path:
@@ -261,22 +277,59 @@ def resume_candidates(resume: str, output_dir: str | Path) -> list[Path]:
     return [found]
 
 
-def read_train_state(path: Path) -> dict[str, Any]:
-    """The loop's state of a checkpoint (JSON; a legacy `train_state.pt` is read weights-only)."""
-    path = Path(path)
-    if (path / TRAIN_STATE).is_file():
-        try:
-            state = json.loads((path / TRAIN_STATE).read_text())
-        except ValueError as e:
-            raise CheckpointError(f"{path / TRAIN_STATE}: not valid JSON ({e})") from None
-    else:
-        import torch
+@dataclass(kw_only=True)
+class TrainState:
+    """`train_state.json`, the one definition of its keys: `write` stores the fields in this order, `read` checks
+    the keys without a default. Keys that older checkpoints lack take the defaults; keys this version does not
+    know are ignored."""
 
-        state = torch.load(path / LEGACY_TRAIN_STATE, map_location="cpu", weights_only=True)
-    need = ("step", "consumed_samples", "scheduler", "world_size", "engine")
-    if not isinstance(state, dict) or any(k not in state for k in need):
-        raise CheckpointError(f"{path}: the train state lacks {', '.join(k for k in need if k not in state)}")
-    return state
+    step: int
+    """The keys step .. consecutive_nonfinite are the loop's own (Trainer.state_dict / load_state_dict)."""
+    consumed_samples: int
+    """Global samples the run has trained on: the data position (a resume on another world size continues there)."""
+    scheduler: dict[str, Any]
+    skipped_steps: int = 0
+    """Optimizer steps skipped for a non-finite loss."""
+    overflow_skips: int = 0
+    """Updates an fp16 loss scaler skipped."""
+    consecutive_nonfinite: int = 0
+    world_size: int
+    engine: str
+    """The parallel engine of the run that wrote it (plan.kind): single, ddp, fsdp or deepspeed."""
+    ema: dict[str, Any] | None = None
+    """WeightEMA.state() when the run kept an EMA (ema.safetensors)."""
+    scaler: dict[str, Any] | None = None
+    """The fp16 GradScaler's state_dict."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def write(self, directory: Path) -> None:
+        write_json(Path(directory) / TRAIN_STATE, self.to_json())
+
+    @classmethod
+    def read(cls, path: Path) -> TrainState:
+        """The train state of a checkpoint (JSON; a legacy `train_state.pt` is read weights-only)."""
+        path = Path(path)
+        if (path / TRAIN_STATE).is_file():
+            try:
+                state = json.loads((path / TRAIN_STATE).read_text())
+            except ValueError as e:
+                raise CheckpointError(f"{path / TRAIN_STATE}: not valid JSON ({e})") from None
+        else:
+            import torch
+
+            state = torch.load(path / LEGACY_TRAIN_STATE, map_location="cpu", weights_only=True)
+        known = [f.name for f in fields(cls)]
+        need = [f.name for f in fields(cls) if f.default is MISSING]
+        if not isinstance(state, dict) or any(k not in state for k in need):
+            raise CheckpointError(f"{path}: the train state lacks {', '.join(k for k in need if k not in state)}")
+        return cls(**{k: state[k] for k in known if k in state})
+
+
+def read_train_state(path: Path) -> dict[str, Any]:
+    """`TrainState.read` as the file's plain keys (defaults filled in), for callers outside the run."""
+    return TrainState.read(path).to_json()
 
 
 def write_json(path: Path, obj: Any) -> None:

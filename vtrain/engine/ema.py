@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vtrain.dist import rank as dist_rank
+from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
-
-FILE = "ema.safetensors"
 
 
 class WeightEMA:
@@ -125,7 +125,7 @@ class WeightEMA:
         """Take this rank's share of a whole `ema.safetensors` (saved by any number of processes)."""
         from safetensors import safe_open
 
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = dist_rank()
         with safe_open(str(path), "pt") as f:
             keys = set(f.keys())
             missing = [n for n, _ in self.params if n not in keys]
@@ -187,9 +187,9 @@ def weights_file(checkpoint: Path, weights: str | None, flag: str = "--weights")
     checkpoint has them (they are what the run evaluated), else the model's."""
     if weights not in (None, "ema", "model"):
         raise VtrainError(f"{flag}: choose ema or model, got {weights!r}")
-    ema = Path(checkpoint) / FILE
+    ema = Path(checkpoint) / ckpt.EMA
     if weights == "ema" and not ema.is_file():
         raise VtrainError(f"{flag} ema: {checkpoint} has no EMA weights (the run had no --ema-decay)")
     if weights != "model" and ema.is_file():
         return ema, "ema"
-    return Path(checkpoint) / "model.safetensors", "model"
+    return Path(checkpoint) / ckpt.MODEL, "model"

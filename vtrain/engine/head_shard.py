@@ -18,15 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from vtrain.config import RunConfig
+from vtrain.dist import all_sum, all_true
+from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
 from vtrain.models.partial_fc import PartialFC
 
-HEAD_DIR = "head"
 EPS = 1e-8  # torch.optim.AdamW's default eps, which the backbone's AdamW uses too (engine/optim.py)
 
 
@@ -41,8 +41,6 @@ class ShardedHead:
                               "processes")
         self.fc = PartialFC(m.embedding_dim, num_classes, m.head, m.margin, m.scale, m.sample_rate, rank,
                             world).to(device)
-        self.world = dist.get_world_size() if dist.is_initialized() else 1  # collectives (a benchmark may
-        # build the shard of a simulated `world` in one process)
         self.lr, self.weight_decay, self.betas = o.lr, o.weight_decay, o.betas
         w = self.fc.weight
         self.exp_avg = torch.zeros_like(w, memory_format=torch.contiguous_format)
@@ -63,10 +61,7 @@ class ShardedHead:
         """Squared L2 norm of the whole head's gradient (all shards: disjoint rows, so squares add). Collective."""
         g = self.fc.weight.grad
         sq = (g.float() ** 2).sum() if g is not None else torch.zeros((), device=self.fc.weight.device)
-        if self.world > 1:
-            sq = sq.clone()
-            dist.all_reduce(sq)
-        return sq
+        return all_sum(sq)
 
     @torch.no_grad()
     def step(self, lr_factor: float, total_norm: torch.Tensor | None, clip_grad: float) -> None:
@@ -105,10 +100,7 @@ class ShardedHead:
 
     def finite(self) -> bool:
         """Whether the head's weights are finite on every rank. Collective."""
-        flag = torch.isfinite(self.fc.weight.detach()).all().float().reshape(1)
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item() > 0)
+        return all_true(torch.isfinite(self.fc.weight.detach()).all())
 
     def active(self) -> dict[str, Any]:
         """What is really active, for run_info.json: the head's rows here and that no engine wraps it."""
@@ -123,7 +115,7 @@ class ShardedHead:
     def save(self, ckpt_dir: Path) -> None:
         """This rank's rows (weight, moments, step counts) with their class range. Every rank writes its file."""
         start, n = self.fc.class_start, self.fc.num_local
-        d = Path(ckpt_dir) / HEAD_DIR
+        d = Path(ckpt_dir) / ckpt.HEAD
         d.mkdir(parents=True, exist_ok=True)
         tensors = {"weight": self.fc.weight.detach(), "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
                    "row_steps": self.row_steps}
@@ -165,7 +157,7 @@ def shard_name(start: int, n: int) -> str:
 def head_files(ckpt_dir: Path) -> list[tuple[Path, int, int, int]]:
     """(file, class_start, num_local, num_classes) of every head shard of a checkpoint, by class start."""
     out = []
-    for f in sorted((Path(ckpt_dir) / HEAD_DIR).glob("classes_*.safetensors")):
+    for f in sorted((Path(ckpt_dir) / ckpt.HEAD).glob("classes_*.safetensors")):
         with safe_open(str(f), "pt") as sf:
             meta = sf.metadata() or {}
         try:
@@ -181,7 +173,7 @@ def read_rows(ckpt_dir: Path, start: int, n: int, num_classes: int | None,
     only the rows needed are read). The shards must tile the class range exactly."""
     files = head_files(ckpt_dir)
     if not files:
-        raise VtrainError(f"{ckpt_dir}: no sharded head ({HEAD_DIR}/classes_*.safetensors)")
+        raise VtrainError(f"{ckpt_dir}: no sharded head ({ckpt.HEAD}/classes_*.safetensors)")
     saved_classes = files[0][3]
     if num_classes is not None and saved_classes != num_classes:
         raise VtrainError(f"{ckpt_dir}: the head has {saved_classes} identities, this run {num_classes}")
@@ -208,7 +200,7 @@ def full_weight(ckpt_dir: Path) -> torch.Tensor:
     """The whole head weight (num_classes, dim) in fp32, for `vtrain consolidate`."""
     files = head_files(ckpt_dir)
     if not files:
-        raise VtrainError(f"{ckpt_dir}: no sharded head ({HEAD_DIR}/classes_*.safetensors)")
+        raise VtrainError(f"{ckpt_dir}: no sharded head ({ckpt.HEAD}/classes_*.safetensors)")
     return read_rows(ckpt_dir, 0, files[0][3], None)["weight"].float()
 
 

@@ -1,14 +1,17 @@
 """Run logging on rank 0: rich progress bar with ETA, a log line every N steps, metrics.jsonl, eval.jsonl, and the
-same numbers as scalars to Accelerate's trackers (TensorBoard, W&B) when --report-to asks for them."""
+same numbers as scalars to Accelerate's trackers (TensorBoard, W&B) when --report-to asks for them. Also what the
+loop logs from: the run's first line (`describe_run`), the stats window between log lines (`StatsWindow`), and
+`run_info.json` (what is really active on every rank)."""
 
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
@@ -17,7 +20,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from vtrain.dist import gather_objects
 from vtrain.errors import VtrainError
+from vtrain.files import write_json_atomic
+
+if TYPE_CHECKING:  # annotations only: the offline commands import this module for its console
+    from accelerate import Accelerator
+
+    from vtrain.engine.plan import Plan
 
 console = Console(stderr=False, highlight=False)
 
@@ -117,6 +127,41 @@ def verification_table(metrics: dict[str, Any], title: str = "verification") -> 
     return t
 
 
+class StatsWindow:
+    """Sums of the per-step stats since the last log line. Device tensors are summed on the device (NaN values
+    left out and counted there too, as a host-side `isnan` test would need a sync per step); host floats here."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Any] = {}
+        self.counts: dict[str, Any] = {}
+
+    def add(self, stats: dict[str, Any]) -> None:
+        for k, v in stats.items():
+            if k == "skipped":
+                continue
+            if isinstance(v, torch.Tensor):
+                v = v.detach().to(torch.float64)
+                ok = ~torch.isnan(v)
+                v, n = torch.where(ok, v, torch.zeros_like(v)), ok.to(torch.float64)
+            elif math.isnan(v):
+                continue
+            else:
+                n = 1
+            self.sums[k] = self.sums[k] + v if k in self.sums else v
+            self.counts[k] = self.counts[k] + n if k in self.counts else n
+
+    def means(self, device: torch.device) -> tuple[list[str], torch.Tensor]:
+        """Sorted keys and their means as one float64 tensor on `device` (NaN where a key had no finite value).
+        Every rank holds the same keys: skips are agreed, and a key appears once it was added at all."""
+        keys = sorted(self.sums)
+        as_t = lambda x: torch.as_tensor(x, dtype=torch.float64).to(device)  # noqa: E731
+        if not keys:
+            return keys, torch.zeros(0, dtype=torch.float64, device=device)
+        sums = torch.stack([as_t(self.sums[k]) for k in keys])
+        counts = torch.stack([as_t(self.counts[k]) for k in keys])
+        return keys, sums / counts
+
+
 class StepTimer:
     """time/iter and data_time over the optimizer steps since the last log line."""
 
@@ -142,6 +187,49 @@ def tracker_name(report_to: str) -> str | None:
         raise VtrainError(f"--report-to {report_to}: the {report_to} package is not installed (pip install "
                           f"{report_to}), or use --report-to none")
     return report_to
+
+
+def describe_run(plan: Plan, world: int, device: torch.device, batch_size: int, grad_accum: int,
+                 local_param_fraction: float | None) -> str:
+    """The run's first log line: engine, world, device, precision, batch arithmetic."""
+    p = plan
+    mode = {"torch_autocast": f"{p.precision} autocast, fp32 master weights (DeepSpeed torch_autocast)",
+            "bf16": "DeepSpeed full bf16 (BatchNorm kept fp32)", "fp16": "DeepSpeed fp16 + loss scaling",
+            "fp32": "fp32"}.get(p.ds_precision_mode, "fp32" if p.precision == "no" else
+                                f"{p.precision} autocast, fp32 master weights")
+    extra = ""
+    if local_param_fraction is not None:
+        extra = f" | local params {local_param_fraction:.3f} of model"
+    return (f"engine: {p.describe()} | world {world} | device {device} | precision {mode}"
+            f" | micro-batch {batch_size} x accum {grad_accum} x {world} = global batch "
+            f"{batch_size * grad_accum * world}{extra}")
+
+
+def start_trackers(accelerator: Accelerator, report_to: str, output_dir: Path, run_id: str,
+                   config: dict[str, Any]) -> tuple[Callable | None, Callable | None]:
+    """--report-to: Accelerate's trackers (rank 0 only) with the resolved config as hyper-parameters. Returns the
+    (log, finish) pair RunLogger takes: it sends every log line and evaluation to them and ends them on close."""
+    if report_to == "none":
+        return None, None
+    out = Path(output_dir)
+    kwargs = {"wandb": {"dir": str(out), "name": out.name, "id": run_id, "resume": "allow"}}
+    # TensorBoard writes <output-dir>/tensorboard/ (`tensorboard --logdir` on the run or its parent dir)
+    accelerator.init_trackers("tensorboard" if report_to == "tensorboard" else "vtrain", config=flat_hparams(config),
+                              init_kwargs={k: v for k, v in kwargs.items() if k == report_to})
+
+    def finish() -> None:  # not accelerator.end_training: that also destroys the process group
+        for tracker in accelerator.trackers:
+            tracker.finish()
+
+    return accelerator.log, finish
+
+
+def write_run_info(output_dir: Path, is_main: bool, run: dict[str, Any], mine: dict[str, Any]) -> None:
+    """run_info.json: the run's facts and, under "ranks", every rank's `mine` (what is really active there, read
+    from live objects), for users and tests. Written atomically by rank 0. Collective."""
+    ranks = gather_objects(mine)
+    if is_main:
+        write_json_atomic(Path(output_dir) / "run_info.json", {**run, "ranks": ranks}, indent=1)
 
 
 def flat_hparams(config: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 from torch import nn
 
+from vtrain.dist import all_mean_, all_true, world_size
+from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import precision as prec
 from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.plan import Plan
@@ -209,10 +211,7 @@ class ParallelEngine:
         The loop's one host sync per micro-batch: whether to run backward at all must be known on the host, because
         a backward over a NaN loss cannot be undone everywhere (DeepSpeed ZeRO-1/2 accumulates reduced gradients
         in partition buffers that `zero_grad` leaves alone), so the skip is decided before backward, not after."""
-        flag = torch.isfinite(loss.detach()).float().reshape(1)
-        if self.plan.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item() > 0)
+        return all_true(torch.isfinite(loss.detach()))
 
     def backward(self, loss: torch.Tensor, grad_accum: int) -> None:
         if self.plan.kind == "deepspeed":
@@ -310,13 +309,12 @@ class ParallelEngine:
         its own data, and their checkpoints keep one rank's copy (DCP even picks the writer rank per tensor for
         load balance). Averaging before every save and evaluation gives one consistent model: what is saved
         is what every rank continues with, so a resumed run matches an uninterrupted one."""
-        if self.plan.world_size == 1 or self.plan.kind not in ("fsdp", "deepspeed"):
+        if self.plan.kind not in ("fsdp", "deepspeed"):
             return
         module = self.model.module if self.plan.kind == "deepspeed" else self.model
         for b in module.buffers():
             if b.is_floating_point():
-                dist.all_reduce(b.data, op=dist.ReduceOp.SUM)
-                b.data.div_(self.plan.world_size)
+                all_mean_(b.data)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model in fp32 on CPU, on rank 0 (None elsewhere). Collective: call on every rank."""
@@ -345,13 +343,13 @@ class ParallelEngine:
 
     def save(self, path: Path) -> None:
         """Model + optimizer + per-rank RNG. Collective."""
-        self.accelerator.save_state(str(path / "accelerate"), safe_serialization=True)
+        self.accelerator.save_state(str(path / ckpt.ACCELERATE), safe_serialization=True)
         if self.plan.kind == "fsdp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             msd, osd = get_state_dict(self.model, self.optimizer)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "fsdp"))
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / ckpt.FSDP))
 
     def load(self, path: Path) -> None:
         # Accelerate reads the RNG states inside `except Exception: "Could not load random states"`, so a refused
@@ -359,21 +357,21 @@ class ParallelEngine:
         # Accelerate's own loader, so a refusal is the usual one-line error (tests/test_safety.py).
         from accelerate.utils import load as accelerate_load
 
-        rng = path / "accelerate" / f"random_states_{self.accelerator.process_index}.pkl"
+        rng = path / ckpt.ACCELERATE / f"random_states_{self.accelerator.process_index}.pkl"
         if rng.is_file():
             accelerate_load(rng)
-        self.accelerator.load_state(str(path / "accelerate"))
+        self.accelerator.load_state(str(path / ckpt.ACCELERATE))
         if self.plan.kind == "fsdp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-            if not (path / "fsdp").is_dir():
+            if not (path / ckpt.FSDP).is_dir():
                 raise VtrainError(f"--resume: {path} holds no FSDP state (was it saved by another engine?)")
-            check_dcp([path / "fsdp"])  # DCP reads its .metadata with plain pickle.load
+            check_dcp([path / ckpt.FSDP])  # DCP reads its .metadata with plain pickle.load
             msd, osd = get_state_dict(self.model, self.optimizer)
             state = {"model": msd, "optim": osd}
-            with dcp_refusals(path / "fsdp"):
-                dcp.load(state, checkpoint_id=str(path / "fsdp"))
+            with dcp_refusals(path / ckpt.FSDP):
+                dcp.load(state, checkpoint_id=str(path / ckpt.FSDP))
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
 
@@ -399,9 +397,7 @@ class ParallelEngine:
             # max |x| per tensor: inf for an inf, NaN for a NaN; one reduction per tensor, one sync in all
             peaks = torch.stack(torch._foreach_norm(tensors, float("inf")))
             flag = flag * torch.isfinite(peaks).all().to(flag.device)
-        if self.plan.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return all_true(flag)
 
     def load_resharded_deepspeed(self, path: Path, work_dir: Path) -> None:
         """Resume a ZeRO checkpoint saved by another number of processes: convert it once to DeepSpeed's universal
@@ -417,8 +413,8 @@ class ParallelEngine:
         import deepspeed
         from safetensors.torch import load_file
 
-        src = path / "accelerate" / "pytorch_model"
-        dst = work_dir / "universal" / path.name
+        src = path / ckpt.ACCELERATE / ckpt.DS_TAG
+        dst = work_dir / ckpt.UNIVERSAL / path.name
         if not src.is_dir():
             raise VtrainError(f"--resume: {path} holds no DeepSpeed checkpoint ({src} is missing)")
         if self.accelerator.is_main_process and not (dst / "latest_universal").is_file():
@@ -426,17 +422,17 @@ class ParallelEngine:
 
             tmp = dst.with_name(f".tmp-{dst.name}")
             shutil.rmtree(tmp, ignore_errors=True)
-            args = SimpleNamespace(input_folder=str(src), output_folder=str(tmp / "pytorch_model"),
+            args = SimpleNamespace(input_folder=str(src), output_folder=str(tmp / ckpt.DS_TAG),
                                    num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
                                    inject_missing_state=True)
             with contextlib.redirect_stdout(io.StringIO()):
                 ds_to_universal.main(args)
-            (tmp / "latest_universal").write_text("pytorch_model")
+            (tmp / "latest_universal").write_text(ckpt.DS_TAG)
             tmp.rename(dst)
         self.accelerator.wait_for_everyone()
-        self.model.load_checkpoint(str(dst), tag="pytorch_model", load_optimizer_states=True,
+        self.model.load_checkpoint(str(dst), tag=ckpt.DS_TAG, load_optimizer_states=True,
                                    load_lr_scheduler_states=False)
-        full = load_file(str(path / "model.safetensors"))
+        full = load_file(str(path / ckpt.MODEL))
         module = self.model.module
         with torch.no_grad():
             for name, b in _persistent_buffers(module):
@@ -463,7 +459,7 @@ class ParallelEngine:
             "node_rank": int(os.environ.get("GROUP_RANK", "0")),
             "accelerate_num_processes": self.accelerator.num_processes,
             "accelerate_is_main": self.accelerator.is_main_process,
-            "dist_world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "dist_world_size": world_size(),
             "model_class": type(self.model).__name__,
             "precision": self.plan.precision,
         }

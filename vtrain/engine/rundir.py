@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from vtrain.dist import AgreedError, broadcast_from_main, gather_objects, is_main
 from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
 
@@ -121,6 +122,19 @@ def lock_seen(output_dir: Path, token: str, tries: int = 10, wait_s: float = 0.5
     return f"{socket.gethostname()} (pid {os.getpid()}) does not see the lock in {output_dir}"
 
 
+def check_shared(output_dir: Path, lock: OutputDirLock | None) -> None:
+    """Every rank must see the directory rank 0 just locked (`lock`, None on the other ranks): all ranks write their
+    shards into one checkpoint folder that rank 0 renames, so on several nodes --output-dir must be on a file system
+    they all mount. Checked at start rather than found at the first save, which may be hours in. Collective."""
+    problem = lock_seen(output_dir, broadcast_from_main(lambda: lock.owner["token"]))
+    bad = [f"rank {r}: {p}" for r, p in enumerate(gather_objects(problem)) if p]
+    if bad:
+        error = (f"--output-dir {output_dir} is not shared by every process ({'; '.join(bad)}): all ranks write "
+                 "each checkpoint into one directory, so put it on a file system every node mounts at the same "
+                 "path (docs/multinode.md)")
+        raise VtrainError(error) if is_main() else AgreedError(error)
+
+
 def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[OutputDirLock, list[str]]:
     """Rank 0, before anything is written: lock the directory and apply the rule for what it may hold.
     Returns the lock and notes for the log."""
@@ -147,7 +161,7 @@ def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[Output
                 ckpt.remove(p)
             for n in logs:
                 (out / n).unlink()
-            (ckpt.checkpoint_dir(out) / "best.json").unlink(missing_ok=True)  # --keep-best of the deleted run
+            (ckpt.checkpoint_dir(out) / ckpt.BEST).unlink(missing_ok=True)  # --keep-best of the deleted run
             if existing:
                 notes.append(f"--overwrite-output-dir: deleted {len(existing)} checkpoints of the earlier run in {out}")
     except BaseException:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from vtrain.dist import all_max_, all_sum, gather_tensors, world_size
 from vtrain.models.metric import margin_target
 
 
@@ -27,10 +28,6 @@ def shard_range(num_classes: int, rank: int, world: int) -> tuple[int, int]:
     """(class_start, num_local) of `rank` in arcface_torch's split (docs/face.md §1.1)."""
     base, rest = divmod(num_classes, world)
     return base * rank + min(rank, rest), base + (rank < rest)
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 class _GatherRows(torch.autograd.Function):
@@ -67,8 +64,12 @@ class _SumOverRanks(torch.autograd.Function):
         return grad
 
 
+def _gather_rows(x: torch.Tensor) -> torch.Tensor:
+    return _GatherRows.apply(x) if world_size() > 1 else x
+
+
 def _sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
-    return _SumOverRanks.apply(x) if _world() > 1 else x
+    return _SumOverRanks.apply(x) if world_size() > 1 else x
 
 
 class PartialFC(nn.Module):
@@ -116,14 +117,9 @@ class PartialFC(nn.Module):
 
     def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """Loss (mean over the global batch, the same on every rank) and train accuracy over the sampled classes."""
-        world = _world()
         with torch.autocast(device_type=emb.device.type, enabled=False):
-            emb = emb.float()
-            if world > 1:
-                emb = _GatherRows.apply(emb)
-                every = [torch.empty_like(labels) for _ in range(world)]
-                dist.all_gather(every, labels.contiguous())
-                labels = torch.cat(every)
+            emb = _gather_rows(emb.float())  # the global batch, in rank order (collective)
+            labels = torch.cat(gather_tensors(labels.contiguous()))
             index, local = self.sample(labels)
             w = self.weight if index is None else self.weight[index]
             cos = F.linear(F.normalize(emb, dim=1), F.normalize(w, dim=1)).clamp(-1.0, 1.0)
@@ -133,18 +129,13 @@ class PartialFC(nn.Module):
             logits = (cos * self.scale).index_put((rows, cols), margin_target(target, self.kind, self.margin)
                                                   * self.scale)
             # distributed log-sum-exp: a shared offset (max over all shards; no gradient needed, it cancels)
-            top = logits.detach().amax(1)
-            if world > 1:
-                dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            top = all_max_(logits.detach().amax(1))
             sum_exp = _sum_over_ranks((logits - top[:, None]).exp().sum(1))
             zero = torch.zeros(len(labels), device=emb.device)
             target_logit = _sum_over_ranks(zero.index_put((rows,), logits[rows, cols]))
             loss = (sum_exp.log() + top - target_logit).mean()
             with torch.no_grad():  # accuracy: the label's cosine is the highest over all (sampled) classes
-                best = cos.amax(1)
-                label_cos = zero.index_put((rows,), target.detach())
-                if world > 1:
-                    dist.all_reduce(best, op=dist.ReduceOp.MAX)
-                    dist.all_reduce(label_cos)
+                best = all_max_(cos.amax(1))
+                label_cos = all_sum(zero.index_put((rows,), target.detach()))
                 acc = (label_cos >= best).float().mean()
         return {"loss": loss, "train_acc": acc}

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from rich.table import Table
 from torch.utils.data import DataLoader, Subset
 
@@ -18,6 +17,7 @@ from vtrain.data.demo import data_root
 from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
 from vtrain.data.workers import worker_context
+from vtrain.dist import gather_objects
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
 from vtrain.files import write_json_atomic
@@ -169,10 +169,7 @@ class DinoTask:
                     dets += coco_detections(image_id, r["boxes"].cpu().numpy(), r["scores"].cpu().numpy(),
                                             r["labels"].cpu().numpy(), ds.cat_ids)
                 pos += 1
-        if world > 1:
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, dets)
-            dets = [d for part in gathered for d in part]
+        dets = [d for part in gather_objects(dets) for d in part]  # every rank's, in rank order
         if rank != 0:
             return None
         if save_predictions:

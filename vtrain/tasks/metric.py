@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
@@ -23,6 +22,7 @@ from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
 from vtrain.data.verification_bin import MIN_PAIRS, check_pairs, read_bin
 from vtrain.data.workers import worker_context
+from vtrain.dist import gather_tensors, world_size
 from vtrain.errors import VtrainError
 from vtrain.eval.verification import pack_metrics, verification_metrics
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
@@ -183,11 +183,7 @@ class MetricTask:
         chunks = []
         for imgs in loader:
             chunks.append(flip_embeddings(forward, imgs.to(device, input_dtype)))
-        local = torch.cat(chunks)
-        if world > 1:
-            gathered = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(gathered, local)
-            local = torch.cat(gathered)
+        local = torch.cat(gather_tensors(torch.cat(chunks)))  # every rank's, in rank order
         return local[:n].cpu()
 
     @staticmethod
@@ -250,7 +246,7 @@ def _check_head_memory(data: FaceSamples, cfg: RunConfig) -> None:
     (a RecordIO `property`, a header record) that says anything. The estimate is the fp32 weight, its gradient and
     AdamW's two moments of this process's rows (all classes, or 1/world of them with --head-parallel sharded),
     against what this machine has (available RAM, or the GPU's memory when it is larger)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = world_size()
     shards = world if cfg.model.head_parallel == "sharded" else 1
     rows = -(-data.num_classes // shards)
     need = 4 * rows * cfg.model.embedding_dim * 4

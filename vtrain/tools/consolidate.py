@@ -77,9 +77,9 @@ def _detect(path: str | Path, weights: str | None) -> Source:
         return Source("state-dict", p, f"state-dict file {p.name}")
     if not any(p.iterdir()):
         raise VtrainError(f"{path}: empty directory")
-    if not ckpt.is_checkpoint(p) and (p / "checkpoints").is_dir():
+    if not ckpt.is_checkpoint(p) and ckpt.checkpoint_dir(p).is_dir():
         return _in_vtrain_checkpoint(ckpt.find_verified(p, "CKPT"), weights)
-    if p.name.startswith(".tmp-step_") or (any((p / n).exists() for n in (ckpt.TRAIN_STATE, ckpt.LEGACY_TRAIN_STATE))
+    if p.name.startswith(ckpt.STAGING) or (any((p / n).exists() for n in (ckpt.TRAIN_STATE, ckpt.LEGACY_TRAIN_STATE))
                                            and not ckpt.is_checkpoint(p)):
         raise VtrainError(f"{path}: a half-written checkpoint (no {ckpt.COMPLETE} manifest); use an earlier one")
     if ckpt.is_checkpoint(p):
@@ -91,9 +91,9 @@ def _in_vtrain_checkpoint(p: Path, weights: str | None) -> Source:
     file, used = weights_file(p, weights)
     if used == "ema":  # already whole and fp32 (gathered at save time), buffers and frozen parameters included
         return Source("state-dict", file, f"vtrain checkpoint {p} (EMA weights {file.name})")
-    src = _plain(p / "fsdp", p) if (p / "fsdp").is_dir() else _plain(p / "accelerate", p)
+    src = _plain(p / ckpt.FSDP, p) if (p / ckpt.FSDP).is_dir() else _plain(p / ckpt.ACCELERATE, p)
     src.description = f"vtrain checkpoint {p} ({src.description})"
-    if (p / "head").is_dir():  # the sharded face head: per-rank class ranges, stitched by head_shard.full_weight
+    if (p / ckpt.HEAD).is_dir():  # the sharded face head: per-rank class ranges, stitched by head_shard.full_weight
         src.head_shards = p
         src.description += ", sharded face head"
     return src
@@ -142,7 +142,7 @@ class Report:
 
 def _config_path(path: str | Path) -> Path | None:
     p = Path(path)
-    for c in (p / "config.yaml", p.parent / "config.yaml", p.parent.parent / "config.yaml"):
+    for c in (p / ckpt.CONFIG, p.parent / ckpt.CONFIG, p.parent.parent / ckpt.CONFIG):
         if c.is_file():
             return c
     return None

@@ -44,7 +44,7 @@ def checkpoint_task(checkpoint: str | Path) -> str:
     if path is None:
         raise ckpt.CheckpointError(f"--checkpoint: {checkpoint} is neither a complete checkpoint nor a run "
                                    "directory with one")
-    return load_run_config(path / "config.yaml").task
+    return load_run_config(path / ckpt.CONFIG).task
 
 
 def load_model(checkpoint: str | Path, task_name: str | None = None, device: torch.device | None = None,
@@ -60,10 +60,10 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     weights, used = weights_file(path, weights_choice)
     if not weights.is_file():
         raise VtrainError(f"{flag}: {path} has no {weights.name}")
-    cfg = load_run_config(path / "config.yaml")
+    cfg = load_run_config(path / ckpt.CONFIG)
     if task_name is not None and task_name != cfg.task:
         raise VtrainError(f"{task_flag or f'--task {task_name}'}: {path} is a {cfg.task} checkpoint")
-    saved = yaml.safe_load((path / "config.yaml").read_text()).get("data") or {}
+    saved = yaml.safe_load((path / ckpt.CONFIG).read_text()).get("data") or {}
     sd = load_file(str(weights))
     model = model_for_weights(cfg, {k: tuple(v.shape) for k, v in sd.items()})
     load_strict(model, sd, flag, "weights do not match the model in config.yaml")

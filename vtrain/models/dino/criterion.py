@@ -10,10 +10,10 @@ by the world size twice: docs/dino.md §5.) Losses run in fp32 with autocast off
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torchvision.ops import box_convert, sigmoid_focal_loss
 
+from vtrain.dist import mean_over_ranks
 from vtrain.models.dino.denoising import DenoisingGroups
 from vtrain.models.dino.matcher import host_list, hungarian_match
 
@@ -22,11 +22,7 @@ WEIGHTS = {"cls": 1.0, "bbox": 5.0, "giou": 2.0}
 
 def global_num_boxes(num_targets: torch.Tensor) -> float:
     """Mean number of target boxes per process over all processes, at least 1."""
-    total = float(sum(host_list(num_targets)))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        n = torch.tensor([total], dtype=torch.float64, device=num_targets.device)  # NCCL needs a CUDA tensor
-        dist.all_reduce(n)
-        total = float(n.item()) / dist.get_world_size()
+    total = mean_over_ranks(float(sum(host_list(num_targets))), num_targets.device)  # NCCL needs a CUDA tensor
     return max(total, 1.0)
 
 

@@ -1,0 +1,236 @@
+"""The checkpoint protocol of a training run: what to resume, the write sequence and the read sequence.
+
+checkpoint.py is the format (layout names, manifest, verify, prune, find); this module decides which rank does
+what, and when. As torchtitan's `components/checkpoint.py` (CheckpointManager), the Trainer builds the run and hands
+over what a checkpoint holds: the engine (model, optimizer, per-rank RNG), the sharded head, the EMA, the scheduler,
+and the loop itself, whose `state_dict()` / `load_state_dict()` is its part of `train_state.json`
+(`checkpoint.TrainState`, the one definition of that file's keys).
+
+Every method here that says "Collective" runs the same collectives and barriers in the same order on every rank;
+that order is part of the protocol (a rank that skips or reorders one hangs or desyncs the run), so a change here
+is a change to every rank at once. Where later hardening goes:
+- refusing symlinked checkpoints when pruning or deleting: checkpoint.prune / checkpoint.remove (the format);
+- a full disk during a save: `_stage` is every write into the staging folder, so one handler around it (all ranks
+  agreeing on the outcome with `all_true` before `_commit`) removes the folder and reports one error line;
+- validating every tensor read on resume: `load` is the one read sequence, in the order listed there.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from accelerate import Accelerator
+from safetensors.torch import save_file
+
+from vtrain.config import RunConfig
+from vtrain.dist import broadcast_from_main, gather_objects
+from vtrain.engine import checkpoint as ckpt
+from vtrain.engine import faults
+from vtrain.engine.best import BestKeeper
+from vtrain.engine.ema import WeightEMA
+from vtrain.engine.head_shard import ShardedHead
+from vtrain.engine.parallel import ParallelEngine
+from vtrain.engine.plan import Plan
+from vtrain.errors import VtrainError
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    """Owns saving, resuming (choosing the checkpoint, the lineage, the DeepSpeed reshard route), and, through
+    checkpoint.commit, pruning and the --keep-best record. Use: `choose` (before the model is built: it decides the
+    DeepSpeed universal route), `attach` (after `prepare`), then `load` once, `save` at every checkpoint step."""
+
+    def __init__(self, cfg: RunConfig, plan: Plan, accelerator: Accelerator) -> None:
+        self.cfg, self.plan, self.accelerator = cfg, plan, accelerator
+        self.out = Path(cfg.train.output_dir)
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.is_main = accelerator.is_main_process
+        self.resume_from: Path | None = None
+        self.resume_state: ckpt.TrainState | None = None
+        self.run_id = ""
+        """The lineage: pruning deletes only checkpoints carrying this id; a resumed run keeps its checkpoint's."""
+        self.best: BestKeeper | None = None
+        # what a checkpoint holds, handed over by `attach`
+        self.loop: Stateful | None = None
+        self.engine: ParallelEngine | None = None
+        self.scheduler: Any = None
+        self.head: ShardedHead | None = None
+        self.ema: WeightEMA | None = None
+        self.dataset: Any = None
+
+    # ---- what to resume ------------------------------------------------------------------------------------------
+    def choose(self) -> list[str]:
+        """The checkpoint to continue from (--resume), verified on all ranks, its train state, and the run's lineage
+        (a new run id agreed from rank 0). Returns notes for the log. Collective."""
+        self.resume_from, notes = self._verified_candidate()
+        manifest = None
+        if self.resume_from is not None:
+            self.resume_state = ckpt.TrainState.read(self.resume_from)
+            manifest = ckpt.read_manifest(self.resume_from)
+        self.run_id = (manifest.run_id if manifest is not None and manifest.run_id else None) or \
+            broadcast_from_main(lambda: uuid.uuid4().hex)
+        keep_best = self.cfg.train.keep_best
+        self.best = BestKeeper(self.out, keep_best, self.run_id) if keep_best else None
+        return notes
+
+    def _verified_candidate(self) -> tuple[Path | None, list[str]]:
+        """The one --resume names, or for `auto` the newest checkpoint in the output directory that verifies
+        (damaged ones are skipped and named). Every rank checks sizes and hashes its share of the files; all ranks
+        see the same verdict. Collective."""
+        resume = self.cfg.train.resume
+        if resume is None:
+            return None, []
+        candidates = [Path(p) for p in broadcast_from_main(
+            lambda: [str(c) for c in ckpt.resume_candidates(resume, self.out)])]
+        notes = []
+        for cand in candidates:
+            problem = ckpt.verify(cand, self.rank, self.world)
+            problem = next((p for p in gather_objects(problem) if p), None)
+            if problem is None:
+                return cand, notes
+            if resume != "auto":
+                raise VtrainError(f"--resume: damaged checkpoint: {problem}")
+            notes.append(f"--resume auto: skipped the damaged checkpoint {cand.name} ({problem})")
+        if candidates:
+            raise VtrainError(f"--resume auto: no checkpoint in {ckpt.checkpoint_dir(self.out)} verifies; "
+                              f"newest: {notes[0].split('(', 1)[1][:-1]}")
+        return None, notes
+
+    @property
+    def resume_step(self) -> int:
+        return self.resume_state.step if self.resume_state is not None else 0
+
+    @property
+    def reshard_deepspeed(self) -> bool:
+        """A ZeRO checkpoint of another world size: DeepSpeed's own loader refuses it, so it is loaded in the
+        universal format, which must be configured before the DeepSpeed engine exists (`prepare`)."""
+        s = self.resume_state
+        return self.plan.kind == "deepspeed" and s is not None and s.engine == "deepspeed" and \
+            s.world_size != self.world
+
+    def newest(self) -> Path | None:
+        """This lineage's newest complete checkpoint, if any."""
+        found = ckpt.complete_checkpoints(self.out, self.run_id)
+        return found[-1] if found else None
+
+    # ---- what a checkpoint holds ---------------------------------------------------------------------------------
+    def attach(self, *, loop: Stateful, engine: ParallelEngine, scheduler: Any, head: ShardedHead | None,
+               ema: WeightEMA | None, dataset: Any) -> None:
+        """After `prepare`: the objects `save` writes and `load` restores. `dataset`: its `categories` (detection
+        class names) go into every checkpoint, for `vtrain predict`."""
+        self.loop, self.engine, self.scheduler = loop, engine, scheduler
+        self.head, self.ema, self.dataset = head, ema, dataset
+
+    # ---- the read sequence ---------------------------------------------------------------------------------------
+    def load(self) -> list[str]:
+        """Restore the run from `resume_from`: engine state (model, optimizer, RNG), head, schedule, the loop's
+        counters, loss scaler, EMA, best. Returns notes for the log. Collective under DeepSpeed and FSDP2."""
+        path, state = self.resume_from, self.resume_state
+        assert path is not None and state is not None and self.engine is not None
+        notes: list[str] = []
+        saved_kind = "ddp" if state.engine == "single" else state.engine  # one process is DDP of one
+        kind = "ddp" if self.plan.kind == "single" else self.plan.kind
+        if saved_kind != kind:
+            raise VtrainError(f"--resume: {path} was saved with {state.engine}, this run uses {self.plan.kind}")
+        # the optimizer state is per parameter group, and --layer-decay changes the groups: say so before the
+        # optimizer's own loader fails with a traceback (the scheduler state holds one base LR per group)
+        saved_groups, groups = len(state.scheduler["base_lrs"]), len(self.scheduler.base_lrs)
+        if saved_groups != groups:
+            raise VtrainError(f"--resume: {path} has {saved_groups} optimizer parameter groups, this run builds "
+                              f"{groups} (was --layer-decay changed?); resume with the run's settings or start "
+                              "from its weights with --resume-weights-only")
+        if self.reshard_deepspeed:
+            self.engine.load_resharded_deepspeed(path, self.out)  # the universal checkpoint route (parallel.py)
+        else:
+            self.engine.load(path)
+        if self.head is not None:
+            self.head.load(path)  # re-split for this run's number of processes
+        self.scheduler.load_state_dict(state.scheduler)
+        self.engine.set_lrs(self.scheduler.get_last_lr())  # LambdaLR.load_state_dict leaves the optimizer alone
+        self.loop.load_state_dict(state.to_json())
+        if state.world_size != self.world:
+            notes.append(f"resharded: saved by {state.world_size} processes, resumed on {self.world}")
+        if self.engine.scaler is not None and state.scaler:
+            self.engine.scaler.load_state_dict(state.scaler)
+        if self.ema is not None:
+            if (path / ckpt.EMA).is_file() and state.ema:
+                self.ema.load(path / ckpt.EMA, state.ema)  # re-sharded for this run's processes
+            else:
+                notes.append(f"--ema-decay: {path} holds no EMA; the average starts from its weights")
+        elif state.ema:
+            notes.append(f"{path} holds EMA weights; this run has no --ema-decay and drops them")
+        if self.best is not None and self.is_main:
+            note = self.best.restore(state.step)
+            if note:
+                notes.append(note)
+        return notes
+
+    # ---- the write sequence --------------------------------------------------------------------------------------
+    def save(self, log: Callable[[str], None]) -> Path:
+        """Write a checkpoint of the loop's current step: everything into a staging folder, then a manifest with
+        every file's size and SHA-256 (hashed by all ranks in parallel), renamed into place by rank 0, which then
+        prunes and records the best. `log`: rank 0's run log. Collective."""
+        loop = self.loop.state_dict()
+        tmp = self._stage(loop)
+        return self._commit(tmp, loop["step"], log)
+
+    def _stage(self, loop: dict[str, Any]) -> Path:
+        """Every write into the staging folder; returns it once every rank's files are complete. Collective."""
+        step = loop["step"]
+        tmp = ckpt.begin(self.out, step, self.is_main)
+        self.accelerator.wait_for_everyone()  # the staging folder exists (and is empty) before any rank writes
+        self.engine.sync_buffers()  # collective: what is saved is what every rank continues with
+        self.engine.save(tmp)  # every rank its shards and RNG state
+        if self.head is not None:
+            self.head.save(tmp)  # every rank its class range (head_shard.py)
+        full = self.engine.full_state_dict()  # collective (FSDP2 / ZeRO-3 gather), whole on rank 0
+        ema_full = self.ema.full_state_dict(full) if self.ema is not None else None  # collective, whole on rank 0
+        faults.crash("VTRAIN_DEBUG_CRASH_IN_SAVE", step)
+        if self.is_main:
+            save_file(full, str(tmp / ckpt.MODEL))
+            if ema_full is not None:
+                save_file(ema_full, str(tmp / ckpt.EMA), metadata={k: str(v) for k, v in self.ema.state().items()})
+            ckpt.TrainState(
+                **loop, scheduler=self.scheduler.state_dict(), world_size=self.world, engine=self.plan.kind,
+                ema=self.ema.state() if self.ema is not None else None,
+                scaler=self.engine.scaler.state_dict() if self.engine.scaler is not None else None).write(tmp)
+            self.cfg.save(tmp / ckpt.CONFIG)
+            if hasattr(self.dataset, "categories"):  # detection class names, for `vtrain predict`; in the manifest
+                ckpt.write_json(tmp / ckpt.CATEGORIES, self.dataset.categories)
+        self.accelerator.wait_for_everyone()  # every rank's files are complete before any is listed or hashed
+        return tmp
+
+    def _commit(self, tmp: Path, step: int, log: Callable[[str], None]) -> Path:
+        """Hash the staged files (each rank a share), then rank 0 writes the manifest, renames the folder into
+        place, prunes this lineage beyond --keep-last (never the best) and records the best. Collective."""
+        files = broadcast_from_main(lambda: ckpt.payload_files(tmp))  # one list: rank 0's view of the folder
+        digests = ckpt.digest_share(tmp, files, self.rank, self.world)
+        digests = {k: v for share in gather_objects(digests) for k, v in share.items()}
+        final = ckpt.final_path(self.out, step)
+        if self.is_main:
+            final = ckpt.commit(self.out, step, self.run_id, digests, self.cfg.train.keep_last,
+                                protect=self.best.protect() if self.best is not None else ())
+            if self.best is not None:
+                self.best.write()
+            log(f"saved {final}")
+        self.accelerator.wait_for_everyone()  # no rank goes on (or exits) before the checkpoint is in place
+        return final
+
+    # ---- --keep-best ---------------------------------------------------------------------------------------------
+    def consider_best(self, step: int, metrics: dict[str, Any] | None) -> str | None:
+        """After an evaluation: rank 0 decides whether `step` is the new best (a user error there stops every rank)
+        and records it now if the step is saved already (the last one), else after its save. Returns rank 0's
+        note for the log. Collective when --keep-best is on."""
+        if self.best is None or not broadcast_from_main(lambda: self.best.consider(step, metrics)):
+            return None
+        if not self.is_main:
+            return None
+        self.best.write()
+        return f"--keep-best: new best {self.best.best['metric']} = {self.best.best['value']:.4g} at step {step}"

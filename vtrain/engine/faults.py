@@ -1,0 +1,30 @@
+"""Fault injection for the tests, through environment variables: a hard kill, a signal, a non-finite value at a
+given step. Each is one `os.environ` read where it is called; without the variable nothing happens."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def crash(var: str, step: int) -> None:
+    """`VAR=N`: a hard kill (no cleanup, no exception handlers) at step N, for the resume tests
+    (VTRAIN_DEBUG_CRASH_AT_STEP in the loop, VTRAIN_DEBUG_CRASH_IN_SAVE inside a checkpoint's write)."""
+    if os.environ.get(var) == str(step):
+        os._exit(17)
+
+
+def send_signal(step: int, rank: int) -> None:
+    """For the preemption tests: `VTRAIN_DEBUG_SIGNAL_AT_STEP=N[@RANK]` sends this process a SIGTERM while it
+    trains step N (on every rank, or only on RANK), through the real signal handler."""
+    spec = os.environ.get("VTRAIN_DEBUG_SIGNAL_AT_STEP", "")
+    at, _, who = spec.partition("@")
+    if at == str(step) and who in ("", str(rank)):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def nonfinite(what: str, step: int) -> bool:
+    """For the non-finite guards: `VTRAIN_DEBUG_NONFINITE=loss@N` makes every loss from step N on NaN; `param@N`
+    turns a weight into inf after step N (what an overflowing update does)."""
+    kind, _, at = os.environ.get("VTRAIN_DEBUG_NONFINITE", "").partition("@")
+    return kind == what and at.isdigit() and step >= int(at)
