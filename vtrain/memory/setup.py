@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vtrain import recompute
-from vtrain.config import RunConfig
+from vtrain.config import ModelConfig, RunConfig
 from vtrain.tasks.dino import test_sizes
 
 VTRAIN_DS_BUCKET = 5e7  # the bucket size of vtrain's ds_configs/*.json
@@ -30,6 +30,7 @@ class Setup:
     # the planner's per-unit choice instead of the model-wide flag: exactly these units remake their FFN hidden
     # layer (models/checkpointing.set_hidden_recompute); None: ffn_recompute decides
     ffn_units: tuple[str, ...] | None = None
+    ffn_chunk: int = ModelConfig.ffn_chunk  # DINO encoder FFNs over this many tokens at a time (ModelConfig.ffn_chunk)
     zero: int = 0  # 0 = DDP, 1-3 = ZeRO stage
     fsdp: bool = False
     offload: str = "none"  # none | optimizer | all
@@ -74,7 +75,7 @@ def run_setup(cfg: RunConfig, precision: str, **engine: Any) -> Setup:
     size = test_sizes(m.image_size, cfg.data.max_size) if cfg.task == "dino" else (m.image_size, m.image_size)
     spec = recompute.parse(m.grad_ckpt)
     s = Setup(task=cfg.task, preset=m.preset, batch_size=cfg.train.batch_size, image_size=size, precision=precision,
-              grad_ckpt=() if spec.auto else tuple(spec.canonical()), ffn_recompute=m.ffn_recompute,
+              grad_ckpt=() if spec.auto else tuple(spec.canonical()), ffn_recompute=m.ffn_recompute, ffn_chunk=m.ffn_chunk,
               embedding_dim=m.embedding_dim, head_parallel=m.head_parallel, sample_rate=m.sample_rate, **engine)
     if cfg.task == "metric" and "num_classes" not in engine:
         s.num_classes = 10_000

@@ -115,8 +115,9 @@ def build_model(setup: Setup) -> nn.Module:
     model without its head when the head is sharded (memory/head.py traces that head beside it)."""
     size = setup.image_size[0] if setup.task == "metric" else ModelConfig.image_size  # DINO takes any size
     m = ModelConfig(preset=setup.preset, image_size=size, grad_ckpt=list(setup.grad_ckpt),
-                    ffn_recompute=setup.ffn_recompute, embedding_dim=setup.embedding_dim,
-                    head_parallel=setup.head_parallel, sample_rate=setup.sample_rate)
+                    ffn_recompute=setup.ffn_recompute, ffn_chunk=setup.ffn_chunk,
+                    embedding_dim=setup.embedding_dim, head_parallel=setup.head_parallel,
+                    sample_rate=setup.sample_rate)
     model = build_task_model(setup.task, m, setup.num_classes)
     if setup.ffn_units is not None:
         set_hidden_recompute(model, setup.ffn_units)

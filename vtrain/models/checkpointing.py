@@ -17,6 +17,7 @@ by a planner that tries sets of units. Model code calls nothing here except its 
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Iterable, Mapping
 
@@ -40,19 +41,29 @@ _BLOCK_SUFFIXES = ("Block", "Bottleneck", "BasicBlock")  # engine/fsdp.py shards
 
 
 def sac_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective checkpointing: keep the outputs of matrix products (SAVED_OPS), recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op.name() in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective checkpointing: keep the outputs of matrix products (SAVED_OPS), recompute the rest. Products run
+    without grad (inside a custom autograd Function's forward: the encoder FFN's token chunks, chunked_mlp.py) are
+    not kept: autograd saves none of them, and the Function keeps what its backward needs itself."""
+    keep = op.name() in SAVED_OPS and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _sac_contexts():
     return create_selective_checkpoint_contexts(sac_policy)
 
 
+# torch 2.14 asks whether the tensors selective checkpointing caches should also go through saved-tensor hooks active
+# around them (it warns, and will change its default). models/lean.py's hooks, active inside units, must see only
+# what autograd saves, which is the old behaviour: asked for explicitly where torch knows the choice.
+_SAC_BYPASSES_HOOKS = ({"respect_saved_tensors_hooks": False}
+                       if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+
+
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
     fwd = functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
         return fwd(*args, **kwargs)
-    extra = {"context_fn": _sac_contexts} if self._vtrain_recompute == "sac" else {}
+    extra = {"context_fn": _sac_contexts, **_SAC_BYPASSES_HOOKS} if self._vtrain_recompute == "sac" else {}
     return checkpoint(fwd, *args, use_reentrant=False, **extra, **kwargs)
 
 

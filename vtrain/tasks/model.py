@@ -17,7 +17,7 @@ from vtrain.models.metric import MetricModel
 def build_model(task: str, m: ModelConfig, num_classes: int) -> nn.Module:
     """The task's model from its model config, with activation checkpointing applied."""
     if task == "dino":
-        model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries, m.ffn_recompute)
+        model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries, m.ffn_recompute, m.ffn_chunk)
     else:
         # --head-parallel sharded: the head lives outside the model (engine/head_shard.py)
         classes = 0 if m.head_parallel == "sharded" else num_classes

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from vtrain import recompute
-from vtrain.config import build_config, read_yaml
+from vtrain.config import ModelConfig, build_config, read_yaml
 from vtrain.ds_json import bucket_sizes, explicit_16bit, read_json, zero_settings
 from vtrain.engine.plan import resolve_precision
 from vtrain.errors import VtrainError
