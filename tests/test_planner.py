@@ -17,7 +17,7 @@ from vtrain.memory.head import head_state_bytes
 from vtrain.memory.planner import NothingFits, plan
 from vtrain.memory.setup import Setup
 from vtrain.memory.sizing import GiB, estimate, model_facts
-from vtrain.memory.trace import trace
+from vtrain.memory.trace import build_model, trace
 from vtrain.tools.memory import breakdown, planned
 
 DINO = Setup(task="dino", preset="debug", image_size=(96, 128), batch_size=2, num_classes=5, num_targets=3)
@@ -54,6 +54,21 @@ def test_breakdown_sums_exactly_to_the_activation_total(setup):
         made = [n for key, n in rec.events if key >= 0 and n > 0
                 and rec.modules[rec.labels[rec.label_of[key]][0]].startswith("head")]
         assert -(-(4 * 8 * rows_here * 4) // 512) * 512 in made
+
+
+@pytest.mark.parametrize("chunk", [0, 64], ids=["one-chunk", "chunked"])
+def test_the_ffn_hidden_layer_remade_in_backward_is_counted_as_recomputation(chunk):
+    """The encoder FFN remakes its hidden layer inside its own autograd Function's backward, where no module
+    forward runs: the planner must see that fc1 matmul as recomputed FLOPs, or it takes the remake as free."""
+    kept, remade = (trace(dataclasses.replace(DINO, ffn_recompute=on, ffn_chunk=chunk)) for on in (False, True))
+    assert kept.recompute_flops == 0
+    fc1 = sum(layer.ffn.fc1.in_features * layer.ffn.fc1.out_features for layer in _encoder_layers())
+    assert remade.recompute_flops > 0 and remade.recompute_flops % fc1 == 0  # 2 x tokens x fc1 per layer
+    assert remade.forward_flops == kept.forward_flops
+
+
+def _encoder_layers():
+    return build_model(DINO).encoder.layers
 
 
 def test_breakdown_command_prints_and_writes_json():

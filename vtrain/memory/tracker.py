@@ -30,6 +30,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from vtrain.models.lean import is_remaking
+
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 ROOT = ""  # the model itself (ops of its own forward outside any submodule)
 _FLOPS = FlopCounterMode(display=False).flop_registry
@@ -179,7 +181,8 @@ class LiveBytes(TorchDispatchMode):
             return (self.stack[-1] if self.stack else 0), FORWARD
         # a forward inside backward: checkpoint recomputation runs with grad mode on, lean.py's remakes inside a
         # module's forward; the backward ops themselves run with grad mode off and no forward on the stack
-        again = bool(self.stack) or torch.is_grad_enabled()
+        # ... and chunked_mlp's hidden layer, remade inside its Function's backward (lean.remaking)
+        again = bool(self.stack) or torch.is_grad_enabled() or is_remaking()
         if self.stack:
             return self.stack[-1], RECOMPUTE
         node = torch._C._current_autograd_node()

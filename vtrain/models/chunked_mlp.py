@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
-from vtrain.models.lean import autocast_input
+from vtrain.models.lean import autocast_input, remaking
 
 
 _MIXED_MM: list[bool] = []  # whether this torch has `mm(..., out_dtype=)`, learnt on first use
@@ -82,7 +82,8 @@ class _ResidualMLP(torch.autograd.Function):
         for s in range(0, max(n, 1), chunk):
             # the sum's gradient as the MLP output's dtype takes it (what autograd's add does), a chunk at a time
             xc, gc = rows[s:s + chunk], g[s:s + chunk].to(ctx.b2_dtype)
-            h = torch.addmm(b1, xc, w1.t()).relu_()
+            with remaking():  # the forward's fc1 again: recomputation, for the planner's count
+                h = torch.addmm(b1, xc, w1.t()).relu_()
             part = [None, None, mm(gc.t(), h), gc.sum(0, **wide)]
             gh = gc.mm(w2)
             # relu's backward op, written into the gradient it reads: zero where the output is zero

@@ -20,7 +20,8 @@ CPU offload) they compute plainly and keep what autograd keeps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -234,6 +235,25 @@ class LeanLayerNorm(nn.LayerNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         return lean_norm(self, x, call=super().forward)
+
+
+_REMAKING = [0]  # depth of `remaking()` blocks running now
+
+
+@contextlib.contextmanager
+def remaking() -> Iterator[None]:
+    """Marks work a backward does again that its forward already did (a hidden layer remade from its kept input
+    inside a custom autograd Function, where no module forward runs), so the memory planner's tracer
+    (vtrain/memory/tracker.py) counts its FLOPs as recomputation, the cost it weighs against the bytes saved."""
+    _REMAKING[0] += 1
+    try:
+        yield
+    finally:
+        _REMAKING[0] -= 1
+
+
+def is_remaking() -> bool:
+    return _REMAKING[0] > 0
 
 
 def autocast_input(x: Tensor) -> Tensor:
