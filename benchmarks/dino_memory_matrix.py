@@ -1,7 +1,7 @@
 """DINO training-step memory and speed against `vtrain estimate-memory`: precision x checkpointing x engine.
 
 Each row runs in its own process (an engine owns process-global state: the process group, DeepSpeed), builds the
-real vtrain model (`vtrain.tools.memory_trace.build_model`, the constructor `vtrain train` and estimate-memory use),
+real vtrain model (`vtrain.memory.trace.build_model`, the constructor `vtrain train` and estimate-memory use),
 wraps it with vtrain's own engine (`resolve_plan`, `build_accelerator`, `ParallelEngine.shard/prepare`,
 `build_optimizer`, as the Trainer does), feeds the estimator's own inputs (batch 2, 800x1333 padded to a multiple
 of 32, --targets boxes per image) and times forward + backward + optimizer step through the engine: --warmup steps
@@ -80,7 +80,7 @@ def _alive_cpu_bytes() -> int:
 def child(row: dict) -> dict:
     """One row, measured in this process with vtrain's engine; returns the measurements."""
     from vtrain.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
-    from vtrain.tools.memory_trace import build_model, profiled_peak, step_inputs
+    from vtrain.memory.trace import build_model, profiled_peak, step_inputs
     from vtrain.engine.optim import build_optimizer
     from vtrain.engine.parallel import ParallelEngine, build_accelerator
     from vtrain.engine.plan import resolve_plan
@@ -170,7 +170,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))), flush=True)
         return
-    from vtrain.tools.memory import estimate
+    from vtrain.memory.sizing import estimate
 
     cuda = torch.cuda.is_available()
     preset = args.preset or ("swin-l" if cuda else "debug")

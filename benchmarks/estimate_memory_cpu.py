@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import itertools
 
-from vtrain.tools.memory_setup import Setup
-from vtrain.tools.memory_trace import allocator_peak, trace_step
+from vtrain.memory.setup import Setup
+from vtrain.memory.trace import allocator_peak, trace_step
 
 CASES = [("dino", "debug", (128, 160), 2, ("backbone", "encoder")), ("metric", "debug", (112, 112), 8, ("backbone",))]
 

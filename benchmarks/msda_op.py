@@ -119,7 +119,7 @@ def measure(name: str, levels, queries: int, impl: str, args, device: torch.devi
         for t in leaves:
             t.grad = None
     else:
-        from vtrain.tools.memory_trace import profiled_peak
+        from vtrain.memory.trace import profiled_peak
 
         peak = profiled_peak(fwd_bwd)
     return {"shape": name, "queries": queries, "impl": impl, "dtype": str(args.dtype).removeprefix("torch."),

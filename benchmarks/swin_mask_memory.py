@@ -1,6 +1,6 @@
 """Where Swin's training memory goes, by the aten op that made each storage (fake tensors: no real memory, no GPU).
 
-One bf16 forward + backward traced with vtrain's estimator (`vtrain.tools.memory_trace`: `LiveBytes` and the CUDA
+One bf16 forward + backward traced with vtrain's estimator (`vtrain.memory.trace`: `LiveBytes` and the CUDA
 autocast policy), here with each storage tagged with the op that created it. Printed per case: the activation
 peak (the estimator's figure), the storages live at that peak and at the end of the forward (what backward
 keeps) grouped by op and dtype, and the part that is N x N per window (N = window area: attention matrices,
@@ -29,8 +29,8 @@ import timm
 import torch
 from torch.utils._pytree import tree_leaves
 
-from vtrain.tools import memory_trace as memory
-from vtrain.tools.memory_setup import Setup
+from vtrain.memory import trace as memory
+from vtrain.memory.setup import Setup
 from vtrain.models import swin_attention
 
 GiB = 2**30
@@ -41,8 +41,8 @@ class OpLiveBytes(memory.LiveBytes):
 
     last: OpLiveBytes | None = None
 
-    def __init__(self, existing: list[torch.Tensor]) -> None:
-        super().__init__(existing)
+    def __init__(self, existing: list[torch.Tensor], *args) -> None:
+        super().__init__(existing, *args)
         self.origin: dict[int, tuple[str, tuple[int, ...], torch.dtype]] = {}
         self.forward_end: int | None = None  # len(events) when the forward returned
         OpLiveBytes.last = self

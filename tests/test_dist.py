@@ -39,6 +39,7 @@ def _one_process_checks() -> None:
     assert comm.all_max_(t) is t and t.tolist() == [1.0, 2.0]
     assert comm.mean_over_ranks(2.5, "cpu") == 2.5
     assert comm.broadcast_from_main(lambda: [1, "x"]) == [1, "x"]
+    assert comm.agreed(lambda: [2, "y"]) == [2, "y"]
 
     def bad() -> None:
         raise CheckpointError("the file is damaged")
@@ -46,6 +47,8 @@ def _one_process_checks() -> None:
     # one process: the error itself, type included (not a re-wrapped VtrainError)
     with pytest.raises(CheckpointError, match="the file is damaged"):
         comm.broadcast_from_main(bad)
+    with pytest.raises(CheckpointError, match="the file is damaged"):
+        comm.agreed(bad)
 
 
 def test_no_process_group_means_one_process():
@@ -95,6 +98,17 @@ def _two_ranks(rank: int, port: int, path: str) -> None:
             comm.broadcast_from_main(bad)
         except VtrainError as e:
             r["error"] = [type(e).__name__, str(e), getattr(e, "quiet", False)]
+        # every rank checks what it reads; rank 1 alone fails: all ranks stop, one of them loudly
+        def check(bad: bool) -> int:
+            if bad:
+                raise CheckpointError(f"bad shard of rank {rank}")
+            return rank + 1
+
+        r["agreed"] = comm.agreed(lambda: check(False))
+        try:
+            comm.agreed(lambda: check(rank == 1))
+        except VtrainError as e:
+            r["agreed_error"] = [type(e).__name__, str(e), getattr(e, "quiet", False)]
         with open(f"{path}.{rank}", "w") as f:
             json.dump(r, f)
     finally:
@@ -119,3 +133,7 @@ def test_two_processes_agree(tmp_path):
     # rank 0 reports the error; the other rank stops with the same message, quietly (the CLI prints it once)
     assert r0["error"] == ["VtrainError", "the file is damaged", False]
     assert r1["error"] == ["AgreedError", "the file is damaged", True]
+    # agreed: each rank's own result; an error of rank 1 alone is rank 0's to print, rank 1's to keep quiet
+    assert (r0["agreed"], r1["agreed"]) == (1, 2)
+    assert r0["agreed_error"] == ["VtrainError", "bad shard of rank 1", False]
+    assert r1["agreed_error"] == ["AgreedError", "bad shard of rank 1", True]

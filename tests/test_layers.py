@@ -19,10 +19,12 @@ PACKAGE = ROOT / "vtrain"
 # low to high; a module may import its own layer and the ones below it. The first part of the dotted name after
 # `vtrain.` picks the layer ("" is the package's own __init__).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"", "errors", "presets", "ds_json", "safeio", "files", "config_values", "dist", "recompute"}),
+    ("base", {"", "errors", "presets", "ds_json", "safeio", "files", "config_values", "dist", "recompute", "guarded",
+              "records"}),
     ("config", {"config"}),
     ("data, models, eval", {"data", "models", "eval"}),
     ("tasks", {"tasks"}),
+    ("memory", {"memory"}),
     ("engine", {"engine"}),
     ("tools", {"tools"}),
     ("cli", {"cli", "__main__"}),
@@ -146,7 +148,7 @@ _LOADED = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
 
 
 @pytest.mark.parametrize("module", ["vtrain.config", "vtrain.data.faces", "vtrain.models.dino", "vtrain.eval.coco_eval",
-                                    "vtrain.tasks", "vtrain.engine.trainer"])
+                                    "vtrain.tasks", "vtrain.memory.planner", "vtrain.engine.trainer"])
 def test_importing_a_layer_loads_nothing_above_it(module):
     """At run time too (package __init__ files and anything the static walk cannot see included)."""
     proc = subprocess.run([sys.executable, "-c", _LOADED, module], cwd=ROOT, capture_output=True, text=True,

@@ -6,24 +6,30 @@ as `estimate-memory` traces a GPU run)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
-from timm.models.swin_transformer import SwinTransformerBlock
+from timm.models.swin_transformer import PatchMerging, SwinTransformerBlock
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import vtrain.models.lean as lean
 from test_dino_model import _batch
 from vtrain.models.dino import DINO
+from vtrain.models.dino.detector import Backbone
 from vtrain.models.dino.msda import MSDeformAttn, auto_impl, ms_deform_attn
 from vtrain.models.dino.transformer import FFN
+from vtrain.models.lean import LeanLayerNorm
 from vtrain.models.swin_attention import use_shared_bias_attention
-from vtrain.tools.memory_setup import Setup
-from vtrain.tools.memory_trace import LiveBytes, cuda_autocast_policy, trace_step
+from vtrain.memory.setup import Setup
+from vtrain.memory.trace import cuda_autocast_policy, trace_step
+from vtrain.memory.tracker import LiveBytes
+from vtrain.models.swin_lean import LeanPatchMerging
+from vtrain.presets import DINO_PRESETS
 
 AMP = dict(device_type="cpu", dtype=torch.bfloat16)
-_HOOKS_ACTIVE = lean._hooks_active
+_ENCLOSING_HOOKS = lean._enclosing_hooks
 
 
 def _grads(module, out, *inputs):
@@ -149,6 +155,32 @@ def test_swin_block_keeps_neither_fp32_norm_copies_nor_the_gelu_output():
     assert _kept_bytes(block, new, x) < _kept_bytes(block, old, x) - 2 * 196 * (4 * 64 * 2 + 2 * 64 * 2) * 0.9
 
 
+def test_swin_backbone_keeps_one_copy_of_each_stage_output(monkeypatch):
+    """DINO's Swin read out stage by stage (swin_lean.py) against timm's forward_intermediates with the out norms on
+    its NCHW copies, timm's PatchMerging and patch-embedding norm (the code replaced): features and gradients
+    bitwise (bf16, CUDA's fp32 norms, drop-path on); kept at least one fp32 copy of stage 0's output and the
+    patch embedding's fp32 norm input less (measured: the bf16 stages' fp32 merge copies too)."""
+    p = dataclasses.replace(DINO_PRESETS["debug"](), out_indices=(0, 1, 2, 3))
+    torch.manual_seed(0)
+    backbone = Backbone(p, drop_path=0.2).train()
+    x = torch.randn(2, 3, 64, 96)
+
+    def features(t):
+        torch.manual_seed(3)
+        return torch.cat([f.flatten() for f in backbone(t)])
+
+    def timm_path():
+        monkeypatch.setattr(backbone, "swin", False)
+        monkeypatch.setattr(LeanPatchMerging, "forward", PatchMerging.forward)
+        monkeypatch.setattr(LeanLayerNorm, "forward", torch.nn.LayerNorm.forward)
+
+    new, new_kept = _run(backbone, features, x), _kept_bytes(backbone, features, x)
+    timm_path()
+    _assert_bitwise(new, _run(backbone, features, x))
+    stage0 = 2 * 32 * 16 * 24
+    assert new_kept < _kept_bytes(backbone, features, x) - 0.9 * (4 * stage0 + 2 * stage0)
+
+
 @pytest.mark.parametrize("norm", [torch.nn.LayerNorm(16), torch.nn.GroupNorm(4, 16)])
 def test_lean_norm_remakes_the_fp32_copy_of_a_16bit_input(norm):
     x = torch.randn(2, 16, 5, 16) if isinstance(norm, torch.nn.LayerNorm) else torch.randn(2, 16, 5, 6)
@@ -172,7 +204,7 @@ def test_autocast_input_gives_what_autocast_gives_each_layer():
 
 
 def _dino(batch, lean_on, monkeypatch):
-    monkeypatch.setattr(lean, "_hooks_active", _HOOKS_ACTIVE if lean_on else (lambda: True))
+    monkeypatch.setattr(lean, "_enclosing_hooks", _ENCLOSING_HOOKS if lean_on else (lambda: True))
     torch.manual_seed(0)
     model = DINO("debug", 3, drop_path=0.2)
     torch.manual_seed(1)
@@ -189,9 +221,9 @@ def test_dino_remade_tensors_change_nothing_in_the_whole_model(monkeypatch):
     _assert_bitwise(_dino(batch, True, monkeypatch), _dino(batch, False, monkeypatch))
     setup = Setup(task="dino", preset="debug", image_size=(128, 160), batch_size=2, precision="bf16", num_classes=5,
                   num_targets=3)
-    monkeypatch.setattr(lean, "_hooks_active", _HOOKS_ACTIVE)
+    monkeypatch.setattr(lean, "_enclosing_hooks", _ENCLOSING_HOOKS)
     lean_peak = trace_step(setup)["Activation"]
-    monkeypatch.setattr(lean, "_hooks_active", lambda: True)
+    monkeypatch.setattr(lean, "_enclosing_hooks", lambda: True)
     assert lean_peak < 0.9 * trace_step(setup)["Activation"]
 
 

@@ -12,9 +12,10 @@ import torch
 
 from conftest import ok, vtrain
 from test_msda import interpret  # noqa: F401 (fixture: the Triton kernels under the interpreter)
-from vtrain.tools.memory import deepspeed_reference, estimate, max_batch_that_fits, model_facts, model_state_bytes
-from vtrain.tools.memory_setup import Setup
-from vtrain.tools.memory_trace import LiveBytes, allocator_peak, profiled_peak, trace_step
+from vtrain.memory.sizing import deepspeed_reference, estimate, max_batch_that_fits, model_facts, model_state_bytes
+from vtrain.memory.setup import Setup
+from vtrain.memory.trace import allocator_peak, profiled_peak, trace_step
+from vtrain.memory.tracker import LiveBytes
 
 
 CASES = [("dino", "debug", (128, 160), 2), ("metric", "debug", (112, 112), 8)]

@@ -18,8 +18,8 @@ from vtrain.models.checkpointing import (active_recompute, apply_recompute, appl
                                          recompute_units)
 from vtrain.models.dino import DINO
 from vtrain.models.metric import MetricModel
-from vtrain.tools.memory_setup import Setup
-from vtrain.tools.memory_trace import trace_step
+from vtrain.memory.setup import Setup
+from vtrain.memory.trace import trace_step
 
 DINO_UNITS = ["backbone.stage0", "backbone.stage1", "backbone.stage2", "backbone.stage3", "encoder.0", "encoder.1",
               "decoder.0", "decoder.1"]
@@ -57,10 +57,15 @@ def test_config_checks_syntax_and_parts_naming_the_flag_and_the_forms():
         ["backbone", "encoder:0"]
     for task, value, message in [("metric", "encoder", "unknown part 'encoder' for --task metric"),
                                  ("dino", "head", "unknown part 'head' for --task dino"),
-                                 ("dino", "encoder:x", "forms: PART"), ("dino", "auto", "planner")]:
+                                 ("dino", "encoder:x", "forms: PART")]:
         with pytest.raises(ConfigError, match="--grad-ckpt") as e:
             build_config(task, overrides={"model": {"grad_ckpt": value}})
         assert message in str(e.value)
+    # auto is the planner's (tests/test_planner.py); its budget goes with it only
+    assert build_config("dino", overrides={"model": {"grad_ckpt": "auto", "memory_budget": 22}}).model.grad_ckpt == \
+        ["auto"]
+    with pytest.raises(ConfigError, match="--memory-budget .*needs --grad-ckpt auto"):
+        build_config("dino", overrides={"model": {"grad_ckpt": "backbone", "memory_budget": 22}})
 
 
 @pytest.mark.parametrize("old", ["backbone", "encoder", "decoder", "backbone,encoder", "backbone,encoder,decoder"])

@@ -9,7 +9,7 @@ import torch
 from timm.models.swin_transformer import SwinTransformerBlock
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vtrain.tools.memory_trace import cuda_autocast_policy
+from vtrain.memory.trace import cuda_autocast_policy
 from vtrain.models.backbones import build_backbone
 from vtrain.models.dino import DINO
 from vtrain.models.swin_attention import SharedBiasSwinBlock, use_shared_bias_attention, window_groups

@@ -20,10 +20,15 @@ from vtrain import recompute
 from vtrain.config import FLAG_SECTIONS, build_config, read_yaml
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.errors import VtrainError
+from vtrain.guarded import ENVIRONMENT_ERRNOS
 from vtrain.safeio import force_weights_only_env
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train large vision models on small GPUs (Accelerate + DeepSpeed ZeRO / FSDP2).")
+
+
+MEMORY_BUDGET_HELP = ("With --grad-ckpt auto: GiB per GPU to fit; the planner recomputes the fewest FLOPs that fit "
+                      "it (default on a GPU: its memory less max(2.5 GiB, 10%); required on a CPU)")
 
 
 class Task(str, Enum):
@@ -74,6 +79,7 @@ def train(
         "R^(layers - timm layer id); the head keeps --lr")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="auto, no, bf16 or fp16")] = None,
     grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
+    memory_budget: Annotated[Optional[float], typer.Option(help=MEMORY_BUDGET_HELP)] = None,
     ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (ZeRO stage, offload)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="Shard with FSDP2")] = None,
     resume: Annotated[Optional[str], typer.Option(help="auto or a checkpoint directory")] = None,
@@ -171,6 +177,7 @@ def evaluate(
     max_image_pixels: Annotated[Optional[int], typer.Option(
         help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
         "89478485)")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace --save-predictions when it exists (never a checkpoint's file)")] = False,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
     box AP."""
@@ -185,7 +192,7 @@ def evaluate(
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
                  "val_ann": val_ann, "val_images": val_images, "max_image_pixels": max_image_pixels}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
-                                            save_predictions, weights)
+                                            save_predictions, weights, overwrite)
     if classwise and "per_class" not in metrics:
         raise VtrainError("--classwise: only for detection checkpoints")
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint} ({metrics['weights']} "
@@ -214,6 +221,7 @@ def predict(
     max_image_pixels: Annotated[Optional[int], typer.Option(
         help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
         "89478485)")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace the files --out names when it exists (never a checkpoint's file)")] = False,
 ) -> None:
     """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
     from vtrain.engine.logging import console
@@ -224,7 +232,8 @@ def predict(
     if num_workers < 0:
         raise VtrainError("--num-workers: must be >= 0")
     report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
-                         batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels)
+                         batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels,
+                         overwrite=overwrite)
     if report.task == "dino":
         console.print(f"{report.images} images on {report.device}: {report.detections} boxes with score >= "
                       f"{score_threshold}; wrote the drawn images and predictions.json to {out}", soft_wrap=True)
@@ -241,7 +250,7 @@ def consolidate_cmd(
     max_shard_size: Annotated[Optional[str], typer.Option(help="Split into shards + index, e.g. 5GB")] = None,
     allow_nonfinite: Annotated[bool, typer.Option(help="Write even when tensors hold inf/NaN")] = False,
     check_model: Annotated[bool, typer.Option(help="Load the result strictly into the model of config.yaml")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists (never a checkpoint's file)")] = False,
     backbone_only: Annotated[bool, typer.Option(
         help="Metric: leave the class head out (backbone + embedding neck, what inference needs)")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
@@ -289,6 +298,7 @@ def export_cmd(
     out: Annotated[Path, typer.Argument(help="Output file, e.g. model.onnx")],
     opset: Annotated[int, typer.Option(help="ONNX opset (18 or newer)")] = 18,
     verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on a random batch")] = True,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT (and OUT.data) when it exists (never a checkpoint's file)")] = False,
 ) -> None:
     """Export a metric model's embedding network (backbone + neck) to ONNX with a dynamic batch axis."""
     from vtrain.engine.logging import console
@@ -296,7 +306,7 @@ def export_cmd(
 
     if opset < 18:
         raise VtrainError(f"--opset {opset}: torch's ONNX exporter targets opset 18 or newer")
-    r = export_onnx(checkpoint, out, opset, verify)
+    r = export_onnx(checkpoint, out, opset, verify, overwrite)
     console.print(f"exported {r.checkpoint} ({r.params:,} parameters) to {r.path}"
                   + (f" + {r.path.name}.data" if r.external_data else ""), soft_wrap=True)
     console.print(f"input `input`: float32 N x 3 x {r.image_size} x {r.image_size}, RGB, x / {MEAN} - 1 "
@@ -323,6 +333,16 @@ def estimate_memory_cmd(
     config: Annotated[Optional[Path], typer.Option(help="A `vtrain train` YAML: estimate that exact run")] = None,
     ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (stage, offload, buckets, bf16)")] = None,
     compare_gc: Annotated[bool, typer.Option(help="Also trace the other checkpointing choices (slower)")] = True,
+    memory_budget: Annotated[Optional[float], typer.Option(
+        help="Plan --grad-ckpt auto for this many GiB per GPU: print the plan and the largest batch that fits")] = None,
+    head_parallel: Annotated[Optional[str], typer.Option(
+        help="Metric head: none or sharded (Partial FC: each GPU holds 1/--gpus of the identities)")] = None,
+    sample_rate: Annotated[Optional[float], typer.Option(
+        help="Sharded head: share of each GPU's identities per step (1.0: all)")] = None,
+    breakdown: Annotated[bool, typer.Option(
+        "--breakdown", help="Show the modules holding the most activation bytes at the peak, and the bytes per "
+        "recompute unit")] = False,
+    breakdown_rows: Annotated[int, typer.Option(help="Modules --breakdown shows (the rest as one row)")] = 15,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object")] = False,
 ) -> None:
     """Predict per-GPU training memory from the real model, without a GPU (fake tensors, one traced step)."""
@@ -332,6 +352,10 @@ def estimate_memory_cmd(
         raise VtrainError(f"--gpus: must be >= 1, got {gpus}")
     if batch_size is not None and batch_size < 1:
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
+    if breakdown_rows < 1:
+        raise VtrainError(f"--breakdown-rows: must be >= 1, got {breakdown_rows}")
+    if memory_budget is not None and not (0 < memory_budget < float("inf")):
+        raise VtrainError(f"--memory-budget: must be a positive number of GiB, got {memory_budget}")
     from rich.console import Console  # after the checks above: a bad number is reported without importing torch
 
     from vtrain.tools.memory import estimate_report
@@ -340,8 +364,9 @@ def estimate_memory_cmd(
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
                        fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
-                       ds_config=ds_config)
-    report = estimate_report(setup, gpu_memory, compare_gc)
+                       ds_config=ds_config, head_parallel=head_parallel, sample_rate=sample_rate,
+                       memory_budget=memory_budget)
+    report = estimate_report(setup, gpu_memory, compare_gc, breakdown_rows if breakdown else 0)
     if as_json:
         print(json.dumps(report))
         return
@@ -416,6 +441,15 @@ def main() -> None:
     except VtrainError as e:
         if not getattr(e, "quiet", False):  # an error rank 0 reports for all ranks
             print(f"error: {e}", file=sys.stderr)
+        _leave_gloo_group()
+        sys.exit(2)
+    except OSError as e:
+        # the environment (a full or read-only disk, a missing permission) at a write that no disk_op names
+        # (vtrain/guarded.py): still one line with the path, never a traceback; any other error stays one
+        if e.errno not in ENVIRONMENT_ERRNOS or isinstance(e, FileNotFoundError):
+            raise
+        print(f"error: {e.strerror}: {e.filename or 'a file'} (during `vtrain {' '.join(sys.argv[1:2])}`)",
+              file=sys.stderr)
         _leave_gloo_group()
         sys.exit(2)
     except TrainingInterrupted as e:

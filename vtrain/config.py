@@ -19,7 +19,8 @@ from vtrain import recompute
 from vtrain.config_values import coerce, read_yaml
 from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
 from vtrain.errors import ConfigError
-from vtrain.files import cache_root, directory_problem
+from vtrain.files import cache_root, directory_problem, write_text_atomic
+from vtrain.guarded import utf8_problem
 from vtrain.presets import presets_for
 
 TASKS = ("metric", "dino")
@@ -52,7 +53,7 @@ def _check(cond: bool, flag: str, msg: str) -> None:
 _FLAG_RENAMES = {"preset": "--model", "path": "--data", "val_path": "--val-data", "pairs_file": "--pairs"}
 # fields set only in a --config file (no flag): their errors name the key alone, never a flag that does not exist
 CONFIG_ONLY = frozenset({"max_impostor_pairs", "betas", "min_lr_ratio", "milestones", "gamma", "fsdp_offload",
-                         "fsdp_reshard_after_forward", "ffn_recompute", "compile_backend"})
+                         "fsdp_reshard_after_forward", "ffn_recompute", "ffn_chunk", "compile_backend"})
 
 
 def flag_of(name: str) -> str:
@@ -97,7 +98,17 @@ class ModelConfig:
     e.g. ["backbone"], ["backbone:stage0-1", "encoder:0-3", "sac:decoder"]; a comma string is read as one value."""
     ffn_recompute: bool = True
     """DINO: the encoder FFNs make their 2048-wide ReLU output again in backward instead of keeping it: 4.1 GiB less
-    for Swin-L at 800x1333, batch 2, for one more fc1 matmul per layer (+18% forward FLOPs); docs/recompute.md."""
+    for Swin-L at 800x1333, batch 2, for one more fc1 matmul per layer (+18% forward FLOPs); docs/recompute.md.
+    With `--grad-ckpt auto` the planner decides this per encoder layer instead."""
+    memory_budget: float | None = None
+    """With `--grad-ckpt auto`: GiB per GPU the planner fits (estimate-memory's total: model states, activations at
+    the peak, buffers, 0.5 GiB for the CUDA context). Default on a GPU: its memory minus max(2.5 GiB, 10%) for
+    allocator fragmentation (docs/memory_estimate.md); on a CPU it must be given."""
+    ffn_chunk: int = 16384
+    """DINO, with ffn_recompute: the encoder FFNs run forward and backward over this many tokens at a time, so their
+    2048-wide hidden layer and its gradient never exist whole (1.0 GiB less at the peak of Swin-L 800x1333 batch 2
+    with the encoder checkpointed, no extra FLOPs); 0 runs all tokens at once. The weight gradients then sum over
+    chunks in fp32: within one rounding of their dtype of the unchunked ones (docs/recompute.md §3)."""
 
     num_queries: int | None = None
     """DINO matching queries (default: the preset's, 900 in the recipe)."""
@@ -124,13 +135,16 @@ class ModelConfig:
         _check(self.sample_rate == 1.0 or self.head_parallel == "sharded", "--sample-rate",
                f"{self.sample_rate} < 1 needs --head-parallel sharded (negative sampling lives in the sharded head)")
         _check(self.drop_path is None or 0.0 <= self.drop_path < 1.0, "--drop-path", "must be in [0, 1)")
+        _check(self.ffn_chunk >= 0, "model.ffn_chunk", f"must be >= 0 (0: no chunking), got {self.ffn_chunk}")
         try:
             spec = recompute.parse(self.grad_ckpt)
         except recompute.SpecError as e:
             _check(False, "--grad-ckpt", f"{e}; forms: {recompute.FORMS}")
-        _check(not spec.auto, "--grad-ckpt", "auto needs the memory planner (--memory-budget), which this version "
-               f"does not have yet; name the units instead, forms: {recompute.FORMS}")
         self.grad_ckpt = spec.canonical()
+        _check(self.memory_budget is None or 0 < self.memory_budget <= 1e6, "--memory-budget",
+               f"must be a positive number of GiB, got {self.memory_budget}")
+        _check(self.memory_budget is None or spec.auto, "--memory-budget",
+               "plans the activation checkpointing: it needs --grad-ckpt auto")
         if self.pretrained is not None:
             _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
         # upper bounds: the denoising attention mask and the matcher grow with the square of the query count
@@ -321,8 +335,11 @@ class TrainConfig:
         _check(self.log_every > 0, "--log-every", f"must be > 0, got {self.log_every}")
         _check(self.max_nonfinite > 0, "--max-nonfinite", "must be > 0")
         _check(0 <= self.seed < 2**32, "--seed", f"must be in 0..2**32-1, got {self.seed}")
-        problem = directory_problem(self.output_dir)
+        problem = directory_problem(self.output_dir) or utf8_problem(self.output_dir)
         _check(problem is None, "--output-dir", str(problem))
+        if self.report_to == "tensorboard":  # found now, not as a traceback from the writer after start-up
+            problem = directory_problem(Path(self.output_dir) / "tensorboard")
+            _check(problem is None, "--report-to", f"tensorboard writes into <output-dir>/tensorboard, but {problem}")
         _check(not (self.resume and self.resume_weights_only), "--resume-weights-only",
                "cannot be combined with --resume (one continues a run, the other starts a new one from weights)")
         _check(not (self.resume and self.overwrite_output_dir), "--overwrite-output-dir",
@@ -383,7 +400,7 @@ class RunConfig:
         return d
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        write_text_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
@@ -422,9 +439,12 @@ def build_config(task: str, file_values: dict[str, Any] | None = None,
             if not isinstance(values, dict):
                 raise ConfigError(f"--config: section {section!r} must be a mapping")
             known = {f.name for f in fields(_SECTION_CLASSES[section])}
+            hints = typing.get_type_hints(_SECTION_CLASSES[section])
             for k, v in values.items():
                 if k not in known:
                     raise ConfigError(f"--config: unknown key {section}.{k}; known: {', '.join(sorted(known))}")
+                if v is not None and source is file_values:  # the file as written, even where a flag overrides it
+                    coerce(v, hints[k], f"--config {section}.{k}")
                 if v is not None:
                     merged[section][k] = v
     if not isinstance(task, str):

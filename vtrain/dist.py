@@ -128,6 +128,25 @@ def broadcast_from_main(fn: Callable[[], T]) -> T:
     return result  # type: ignore[return-value]
 
 
+def agreed(fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank; a user error (VtrainError) raised on any rank is raised on every rank, with the
+    message of the lowest rank that failed: on rank 0 as a VtrainError, elsewhere as a quiet `AgreedError` (the
+    CLI prints it once). A check of what only one rank reads (its head shard) then stops all ranks with one line,
+    instead of leaving the others waiting in the next collective. `fn` itself must run no collective. On one
+    process a plain call. Collective (one all_gather)."""
+    if world_size() == 1:
+        return fn()
+    result, error = None, None
+    try:
+        result = fn()
+    except VtrainError as e:
+        error = str(e)
+    errors = [e for e in gather_objects(error) if e is not None]
+    if errors:
+        raise VtrainError(errors[0]) if is_main() else AgreedError(errors[0])
+    return result  # type: ignore[return-value]
+
+
 def leave() -> None:
     """Destroy the default process group, if any: a gloo group torn down at interpreter exit can abort the process
     ('terminate called without an active exception') after a successful run."""

@@ -1,9 +1,9 @@
 """Places on disk every layer shares: the data cache (VTRAIN_CACHE, default ~/.cache/vtrain), the check of a path
-that must be or become a directory, and the one atomic JSON writer.
+that must be or become a directory, and the one atomic text / JSON writer.
 
-The lowest layer (it imports only `errors`): config validation checks the cache before start-up, the data layer
-writes generated data into it, and tasks, engine and tools all write JSON files that must never be seen half
-written.
+The lowest layer (it imports only `errors` and `guarded`): config validation checks the cache before start-up, the
+data layer writes generated data into it, and config, tasks, engine and tools all write text and JSON files that
+must never be seen half written.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vtrain import guarded
 from vtrain.errors import VtrainError
 
 
@@ -35,11 +36,13 @@ def cache_root() -> Path:
     return root
 
 
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a fresh hidden temp file beside it and a rename, so a reader (or a crash)
+    never sees half a file and a link at `path` is replaced, never written through (guarded.replace_file); the
+    parent directory is created when missing. A full or read-only disk is one line naming `path`."""
+    guarded.replace_file(path, lambda tmp: tmp.write_text(text))
+
+
 def write_json_atomic(path: str | Path, obj: Any, indent: int | None = None) -> None:
-    """Write `obj` as JSON to `path` through a hidden temp file beside it and a rename, so a reader (or a crash)
-    never sees half a file; the parent directory is created when missing."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=indent))
-    os.replace(tmp, path)
+    """`obj` as JSON, written as `write_text_atomic` does."""
+    write_text_atomic(path, json.dumps(obj, indent=indent))

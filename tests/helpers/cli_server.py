@@ -8,13 +8,19 @@ Protocol, one JSON object per line each way: {"start": {"args", "env", "cwd", "s
 child runs on; a test may signal it), {"wait": pid} -> {"rc", "maxrss_kb"} (the exit status as subprocess reports
 it: -N for a signal; the child's peak resident memory, which includes this server's pages it started with). An
 optional "data_limit_mb" in "start" caps the child's data segment (RLIMIT_DATA) at that much above what it
-inherited, so a command that would allocate gigabytes fails fast instead of exhausting a shared machine.
+inherited, so a command that would allocate gigabytes fails fast instead of exhausting a shared machine. An optional
+"file_size_limit" (bytes) is a full disk as a write sees it (RLIMIT_FSIZE with SIGXFSZ ignored: the write that
+crosses it fails with EFBIG), and "read_only" lists folders that the child alone sees read-only (a private mount
+namespace with read-only bind mounts: root only), so the command meets EROFS as on a read-only file system.
 """
 
 import atexit
+import ctypes
 import json
 import os
 import resource
+import signal
+import subprocess
 import sys
 import traceback
 
@@ -31,9 +37,23 @@ def _limit_data(extra_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
+def _read_only(paths: list[str]) -> None:
+    if ctypes.CDLL(None, use_errno=True).unshare(0x00020000):  # CLONE_NEWNS: mounts seen by this process alone
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)  # nothing propagates back to the machine
+    for p in paths:
+        subprocess.run(["mount", "--bind", p, p], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", p], check=True)
+
+
 def _child(case: dict) -> int:
     if case.get("data_limit_mb"):
         _limit_data(case["data_limit_mb"])
+    if case.get("read_only"):
+        _read_only(case["read_only"])
+    if case.get("file_size_limit"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (case["file_size_limit"],) * 2)
     os.chdir(case["cwd"])
     os.environ.clear()
     os.environ.update(case["env"])

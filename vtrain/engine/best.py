@@ -3,17 +3,20 @@ and kept outside --keep-last pruning (checkpoint.commit's `protect`).
 
 best.json: {"step", "metric" (the key as evaluation names it), "value", "mode" (max|min), "run_id", "checkpoint"}.
 It is written by rank 0 only once its checkpoint is complete, so it never names a missing checkpoint of its lineage.
+Every field is checked when it is read back (`read`): an edited or foreign file is ignored on resume (with a note)
+and an error naming the key for `--best`. A best superseded after its step was saved goes back into --keep-last
+pruning at once (`Checkpointer.consider_best`), so no superseded best outlives the run.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
+from vtrain.records import Record, RecordError, read_json
 
 ALIASES = {"acc": "balanced_accuracy", "accuracy": "balanced_accuracy"}
 LOWER_IS_BETTER = ("loss", "error", "err", "eer", "far_achieved")
@@ -67,12 +70,15 @@ class BestKeeper:
     def restore(self, resumed_step: int) -> str | None:
         """On resume: keep the lineage's best when its checkpoint is at or before the resumed step and still
         complete (a later one belongs to the abandoned future of the run). Returns a note for the log."""
-        found = read(self.out)
-        if found is None or found.get("run_id") != self.run_id or found.get("mode") != self.mode:
+        try:
+            found = read(self.out)
+        except RecordError as e:
+            return f"--keep-best: ignoring the earlier record ({e})"
+        if found is None or found["run_id"] != self.run_id or found["mode"] != self.mode:
             return None
-        if _norm(found.get("metric", "")) != _norm(self.name) and found.get("spec") != self.name:
+        if _norm(found["metric"]) != _norm(self.name) and found.get("spec") != self.name:
             return None
-        step = int(found.get("step", -1))
+        step = found["step"]
         if step > resumed_step or not ckpt.is_checkpoint(ckpt.final_path(self.out, step)):
             return None
         self.best = found
@@ -97,20 +103,28 @@ class BestKeeper:
     def protect(self) -> tuple[Path, ...]:
         return (ckpt.final_path(self.out, self.best["step"]),) if self.best is not None else ()
 
-    def write(self) -> None:
-        """Rank 0: record the best once its checkpoint is complete (call after every commit and evaluation)."""
+    def write(self) -> bool:
+        """Rank 0: record the best once its checkpoint is complete (call after every commit and evaluation).
+        Returns whether it was written."""
         if self.best is None or not ckpt.is_checkpoint(ckpt.final_path(self.out, self.best["step"])):
-            return
+            return False
         ckpt.write_json(self.path, self.best)
+        return True
 
 
 def read(output_dir: Path) -> dict[str, Any] | None:
+    """checkpoints/best.json of a run, every field checked (a RecordError names the key); None when absent."""
     path = ckpt.checkpoint_dir(output_dir) / ckpt.BEST
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    if not path.exists():
         return None
-    return data if isinstance(data, dict) and isinstance(data.get("step"), int) else None
+    r = Record(read_json(path), path)
+    r.int("step")
+    r.str("metric")
+    r.number("value")
+    r.str("mode", ("max", "min"))
+    r.str("run_id")
+    r.str("spec", default=None)
+    return r.data
 
 
 def best_checkpoint(run_dir: str | Path, flag: str) -> Path:
@@ -118,7 +132,10 @@ def best_checkpoint(run_dir: str | Path, flag: str) -> Path:
     run = Path(run_dir)
     if ckpt.is_checkpoint(run):
         raise VtrainError(f"{flag} --best: give the run directory, not the checkpoint {run}")
-    found = read(run)
+    try:
+        found = read(run)
+    except RecordError as e:
+        raise VtrainError(f"{flag} --best: {e}") from None
     if found is None:
         raise VtrainError(f"{flag} --best: {ckpt.checkpoint_dir(run) / ckpt.BEST} is missing or unreadable (was the "
                           "run trained with --keep-best?)")

@@ -6,8 +6,11 @@ consolidate verify it and name a damaged file; `--resume auto` falls back to the
 
 A run prunes only checkpoints whose manifest carries its own run id (carried across `--resume`), and deletes only
 the files its manifest lists: a directory without a manifest, another run's checkpoint or a file a user put
-inside a checkpoint is never deleted. Rank 0 alone renames, prunes and writes shared files; every rank writes its
-own shards (DeepSpeed, FSDP2) into the same temp dir (a shared filesystem across nodes is assumed).
+inside a checkpoint is never deleted. Only real folders are this run's checkpoints: a `step_<N>` that is a
+symbolic link is never read as one, pruned or deleted, and a listed file that is a link (or lies below one) is
+left alone when pruning and fails verification (vtrain/guarded.py). Every field of the JSON files is checked when
+read (vtrain/records.py). Rank 0 alone renames, prunes and writes shared files; every rank writes its own shards
+(DeepSpeed, FSDP2) into the same temp dir (a shared filesystem across nodes is assumed).
 
 This module is the format: every layout name (below), the manifest, `TrainState` (train_state.json), verify, prune
 and find. Which rank writes and reads what, and when, is engine/checkpointer.py's.
@@ -19,15 +22,16 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import sys
 import time
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from vtrain import guarded
 from vtrain.errors import VtrainError
 from vtrain.files import write_json_atomic
+from vtrain.records import Record, RecordError, ema_state, read_json, scaler_state, scheduler_state
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 FORMAT = "vtrain-checkpoint"
@@ -48,6 +52,9 @@ HEAD = "head"  # --head-parallel sharded: one file per rank's class range (engin
 CATEGORIES = "categories.json"  # detection: class ids and names in label order, for `vtrain predict`
 BEST = "best.json"  # --keep-best, in CHECKPOINTS beside the step dirs (engine/best.py)
 UNIVERSAL = "universal"  # <output>/universal/step_<N>/: a ZeRO checkpoint converted for another world size
+TENSORBOARD = "tensorboard"  # <output>/tensorboard/: event files (--report-to tensorboard)
+ENGINES = ("single", "ddp", "fsdp", "deepspeed")  # TrainState.engine: the parallel engine that wrote it
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CheckpointError(VtrainError):
@@ -76,22 +83,37 @@ def final_path(output_dir: str | Path, step: int) -> Path:
     return checkpoint_dir(output_dir) / f"step_{step}"
 
 
-def read_manifest(path: Path) -> Manifest | None:
-    """The manifest of a checkpoint directory; None when it has none (not a complete vtrain checkpoint)."""
+def parse_manifest(path: Path) -> Manifest:
+    """The manifest of a checkpoint directory, every field checked; a RecordError names what is wrong (a missing
+    or malformed manifest: not a complete vtrain checkpoint)."""
     marker = Path(path) / COMPLETE
     try:
         text = marker.read_text()
     except (OSError, UnicodeDecodeError):
-        return None
+        raise RecordError(f"{path}: no readable {COMPLETE} manifest (not a complete vtrain checkpoint)") from None
     if text.strip().isdigit():
         return Manifest(int(text.strip()), None, legacy=True)
+    r = Record(read_json(marker), marker)
+    r.str("format", (FORMAT,))
+    files = r.object("files")
+    for rel in files.data:
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts or not parts or rel == COMPLETE:
+            raise RecordError(f"{marker}: lists {rel!r}, which is not a file inside the checkpoint")
+        entry = files.object(rel)
+        entry.int("size")
+        if not _SHA256.match(entry.str("sha256")):
+            raise RecordError(f"{marker}: `sha256` of {rel} is not a SHA-256 hex digest")
+    return Manifest(r.int("step"), r.str("run_id", default=None), files.data)
+
+
+def read_manifest(path: Path) -> Manifest | None:
+    """The manifest of a checkpoint directory; None when it has none or a malformed one (not a complete vtrain
+    checkpoint; `verify` says what is wrong)."""
     try:
-        data = json.loads(text)
-    except ValueError:
+        return parse_manifest(path)
+    except RecordError:
         return None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("files"), dict):
-        return None
-    return Manifest(int(data.get("step", -1)), data.get("run_id"), data["files"])
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -99,20 +121,53 @@ def is_checkpoint(path: Path) -> bool:
     return read_manifest(p) is not None and ((p / TRAIN_STATE).is_file() or (p / LEGACY_TRAIN_STATE).is_file())
 
 
-def complete_checkpoints(output_dir: str | Path, run_id: str | None = None) -> list[Path]:
-    """Complete checkpoints (a readable manifest), oldest first; only those of lineage `run_id` when given."""
+def _step_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """(N, path) of every real `step_<N>` folder of a run, oldest first (a link is not this run's)."""
     root = checkpoint_dir(output_dir)
     if not root.is_dir():
         return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
-        if not m or not p.is_dir() or not is_checkpoint(p):
+    return sorted((int(m.group(1)), p) for p in root.iterdir()
+                  if (m := _STEP_RE.match(p.name)) and not p.is_symlink() and p.is_dir())
+
+
+def complete_checkpoints(output_dir: str | Path, run_id: str | None = None) -> list[Path]:
+    """Complete checkpoints (a valid manifest), oldest first; only those of lineage `run_id` when given."""
+    found = [(p, read_manifest(p)) for _, p in _step_dirs(output_dir)]
+    return [p for p, m in found if m is not None and is_checkpoint(p) and (run_id is None or m.run_id == run_id)]
+
+
+def marked_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Checkpoints marked complete (a `COMPLETE` file, valid or not), oldest first: what `--resume auto` and a
+    run directory given to eval or consolidate try, newest first, naming each one that does not verify."""
+    return [p for _, p in _step_dirs(output_dir) if os.path.lexists(p / COMPLETE)]
+
+
+def linked_entries(output_dir: str | Path) -> list[str]:
+    """One note per link among the checkpoints of a run: never read, pruned or deleted as the run's own."""
+    root = checkpoint_dir(output_dir)
+    if root.is_symlink() or not root.is_dir():
+        return []
+    return [f"{guarded.describe_link(p)}: not this run's; left alone (never resumed, pruned or deleted)"
+            for p in sorted(root.iterdir()) if p.is_symlink() and _STEP_RE.match(p.name)]
+
+
+def inside_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint (or a run's `checkpoints/` folder) that `path` lies in, links resolved, or None: what a
+    command writing a user-named output must never write into (guarded.claim_output)."""
+    p = Path(os.path.abspath(path)).resolve()
+    for d in (p, *p.parents):
+        try:
+            if not d.is_dir():
+                continue
+            if d.name.startswith(STAGING) or any(os.path.lexists(d / n) for n in (COMPLETE, TRAIN_STATE,
+                                                                                LEGACY_TRAIN_STATE)):
+                return d
+            if d.name == CHECKPOINTS and (os.path.lexists(d / BEST) or any(
+                    _STEP_RE.match(c) or c.startswith(STAGING) for c in os.listdir(d))):
+                return d
+        except OSError:  # a folder we may not list holds no checkpoint we would write into
             continue
-        if run_id is not None and read_manifest(p).run_id != run_id:
-            continue
-        found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
+    return None
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
@@ -139,93 +194,113 @@ def digest_share(root: Path, rels: list[str], rank: int = 0, world: int = 1) -> 
 
 
 def begin(output_dir: str | Path, step: int, is_main: bool) -> Path:
-    """Rank 0 clears a stale temp dir of an earlier crash; call a barrier after this."""
+    """Rank 0 clears a stale temp dir of an earlier crash (never through a link); call a barrier after this."""
     tmp = tmp_path(output_dir, step)
     if is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        guarded.rmtree(output_dir, tmp)
         tmp.mkdir(parents=True)
     return tmp
 
 
+def abandon(output_dir: str | Path, step: int) -> None:
+    """Rank 0, after a failed save: remove the staging folder, so nothing half-written stays behind."""
+    guarded.rmtree(output_dir, tmp_path(output_dir, step))
+
+
 def commit(output_dir: str | Path, step: int, run_id: str, files: dict[str, dict[str, Any]], keep_last: int,
-           protect: tuple[Path, ...] = ()) -> Path:
+           protect: tuple[Path, ...] = ()) -> tuple[Path, list[str]]:
     """Rank 0, after every rank finished writing: write the manifest, rename into place, prune this lineage's
-    older checkpoints beyond `keep_last` (except `protect`, e.g. the best one)."""
+    older checkpoints beyond `keep_last` (except `protect`, e.g. the best one). Returns the checkpoint and notes
+    on what pruning left alone."""
     tmp, final = tmp_path(output_dir, step), final_path(output_dir, step)
     manifest = {"format": FORMAT, "version": 1, "step": step, "run_id": run_id, "time": time.time(),
                 "files": files}
     marker = tmp / f".{COMPLETE}.tmp"
-    with open(marker, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(marker, tmp / COMPLETE)
+    with guarded.disk_op("write the manifest", marker):
+        with open(marker, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(marker, tmp / COMPLETE)
     _fsync_dir(tmp)
-    if final.exists():  # the same step saved again (e.g. resumed at the very end): replace our own copy only
+    if os.path.lexists(final):  # the same step saved again (e.g. resumed at the very end): our own copy only
         old = read_manifest(final)
-        if old is None or old.run_id != run_id:
-            raise CheckpointError(f"{final} exists and belongs to another run; not replacing it")
-        remove(final)
-    os.rename(tmp, final)
+        if final.is_symlink() or old is None or old.run_id != run_id:
+            raise CheckpointError(f"{final} exists and is not this run's (another run's, a link, or malformed); "
+                                  "not replacing it")
+        notes = remove(final)
+        if os.path.lexists(final):
+            raise CheckpointError(f"{final} still holds files after deleting this run's copy; not replacing it "
+                                  f"({'; '.join(notes) or 'files the manifest does not list'})")
+    with guarded.disk_op("rename the staging folder to", final):
+        os.rename(tmp, final)
     _fsync_dir(final.parent)
-    prune(output_dir, run_id, keep_last, protect)
-    return final
+    return final, prune(output_dir, run_id, keep_last, protect)
 
 
-def prune(output_dir: str | Path, run_id: str, keep_last: int, protect: tuple[Path, ...] = ()) -> list[Path]:
-    """Delete this lineage's checkpoints beyond the newest `keep_last`; never another run's, never `protect`
-    (which does not count towards keep_last)."""
+def prune(output_dir: str | Path, run_id: str, keep_last: int, protect: tuple[Path, ...] = ()) -> list[str]:
+    """Delete this lineage's checkpoints but the newest `keep_last` and `protect` (the best one, kept besides them
+    when older); never another run's, never a link. A best that is superseded is pruned like any other at the
+    next call. Returns notes on what was left alone."""
     keep = {Path(p).resolve() for p in protect}
-    mine = [p for p in complete_checkpoints(output_dir, run_id) if p.resolve() not in keep]
-    old = mine[:-keep_last] if keep_last > 0 else mine
-    for p in old:
-        remove(p)
-    return old
+    mine = complete_checkpoints(output_dir, run_id)
+    old = [p for p in (mine[:-keep_last] if keep_last > 0 else mine) if p.resolve() not in keep]
+    return [note for p in old for note in remove(p)]
 
 
-def remove(path: Path) -> None:
-    """Delete a vtrain checkpoint: the manifest first (so a crash midway never leaves a 'complete' checkpoint with
-    files missing), then exactly the files it lists, then directories left empty. Anything else stays."""
+def remove(path: Path) -> list[str]:
+    """Delete a vtrain checkpoint (a real `checkpoints/step_<N>` folder of a run): the manifest first (so a crash
+    midway never leaves a 'complete' checkpoint with files missing), then exactly the real files it lists, then
+    folders left empty. Anything else stays: a file a user added, and a listed file that is a link or lies below
+    one (returned as notes). Refused for a link, or a checkpoint whose folders above it are links."""
     path = Path(path)
+    root = path.parent.parent  # the run directory: <run>/checkpoints/step_<N>
+    link = guarded.link_in(root, path / COMPLETE)
+    if link is not None:
+        raise CheckpointError(f"{guarded.describe_link(link)}; not deleting {path} through it")
     manifest = read_manifest(path)
     if manifest is None:
         raise CheckpointError(f"{path} is not a vtrain checkpoint; not deleting it")
     listed = list(manifest.files) if not manifest.legacy else payload_files(path)
-    (path / COMPLETE).unlink()
-    for rel in listed:
-        target = (path / rel).resolve()
-        if path.resolve() in target.parents:  # a manifest cannot point outside its checkpoint
-            target.unlink(missing_ok=True)
-    for d in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-        if not any(d.iterdir()):
-            d.rmdir()
-    if not any(path.iterdir()):
-        path.rmdir()
+    guarded.unlink(root, path / COMPLETE)
+    notes = [note for rel in listed if (note := guarded.unlink(root, path / rel)) is not None]
+    guarded.remove_empty_dirs(root, path)
+    return list(dict.fromkeys(notes))  # one line per link, however many listed files lie below it
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------
 
 def verify(path: str | Path, rank: int = 0, world: int = 1) -> str | None:
     """Check the manifest and this rank's share of the files (size, then SHA-256). Returns a one-line problem
-    naming the file, or None. Legacy checkpoints are checked for their train state only."""
+    naming the file, or None. A listed file must be a real file (no link, none above it), and the checkpoint's
+    JSON files must hold what vtrain writes (every reader trusts their fields). Legacy checkpoints are checked
+    for their train state only."""
     path = Path(path)
-    manifest = read_manifest(path)
-    if manifest is None:
-        return f"{path}: no readable {COMPLETE} manifest (not a complete vtrain checkpoint)"
+    try:
+        manifest = parse_manifest(path)
+    except RecordError as e:
+        return str(e)
     if manifest.legacy:
         return None if (path / LEGACY_TRAIN_STATE).is_file() else f"{path / LEGACY_TRAIN_STATE}: missing"
     if TRAIN_STATE not in manifest.files:
         return f"{path}: the manifest lists no {TRAIN_STATE}"
     for i, (rel, want) in enumerate(sorted(manifest.files.items())):
         f = path / rel
+        link = guarded.link_in(path, f)
+        if link is not None:
+            return f"{guarded.describe_link(link)} (a checkpoint holds only real files)"
         if not f.is_file():
             return f"{f}: missing"
         size = f.stat().st_size
-        if size != want.get("size"):
-            return f"{f}: {size} bytes, the manifest says {want.get('size')} (truncated or replaced)"
-        if i % world == rank and digest(f)["sha256"] != want.get("sha256"):
+        if size != want["size"]:
+            return f"{f}: {size} bytes, the manifest says {want['size']} (truncated or replaced)"
+        if i % world == rank and digest(f)["sha256"] != want["sha256"]:
             return f"{f}: checksum mismatch (the file is damaged)"
+    try:
+        TrainState.read(path)
+        read_categories(path)
+    except VtrainError as e:
+        return str(e)
     return None
 
 
@@ -248,10 +323,12 @@ def find_verified(path: str | Path, flag: str) -> Path:
     """For eval / consolidate: the checkpoint at `path` (or a run dir's newest one), verified. A damaged
     checkpoint is an error naming the file; in a run dir the newest one that verifies is used."""
     p = Path(path)
-    if is_checkpoint(p):
+    if guarded.utf8_problem(p) is not None:  # what safetensors could not open: say so before verifying
+        raise CheckpointError(f"{flag}: {guarded.utf8_problem(p)}; rename the folder")
+    if is_checkpoint(p) or os.path.lexists(p / COMPLETE):  # a malformed manifest is named by verify
         verify_or_raise(p, flag)
         return p
-    found = complete_checkpoints(p)
+    found = marked_checkpoints(p)
     if not found:
         raise CheckpointError(f"{flag}: {path} is neither a complete checkpoint nor a run directory with one")
     problems = []
@@ -266,11 +343,13 @@ def find_verified(path: str | Path, flag: str) -> Path:
 
 
 def resume_candidates(resume: str, output_dir: str | Path) -> list[Path]:
-    """`auto`: the complete checkpoints of output_dir, newest first (may be empty); a path: that checkpoint, or
-    the newest one of a run directory."""
+    """`auto`: the checkpoints of output_dir marked complete, newest first (may be empty; each is verified, and
+    a damaged or malformed one skipped and named); a path: that checkpoint, or the newest one of a run
+    directory."""
     if resume == "auto":
-        return list(reversed(complete_checkpoints(output_dir)))
-    found = find(resume)
+        return list(reversed(marked_checkpoints(output_dir)))
+    marked = marked_checkpoints(resume)
+    found = Path(resume) if os.path.lexists(Path(resume) / COMPLETE) else marked[-1] if marked else None
     if found is None:
         raise CheckpointError(f"--resume: {resume} is not a complete vtrain checkpoint (no {COMPLETE} manifest) "
                               "and holds no checkpoints/step_<N>")
@@ -309,22 +388,40 @@ class TrainState:
 
     @classmethod
     def read(cls, path: Path) -> TrainState:
-        """The train state of a checkpoint (JSON; a legacy `train_state.pt` is read weights-only)."""
+        """The train state of a checkpoint (JSON; a legacy `train_state.pt` is read weights-only), every field
+        checked for type and range (a RecordError names the file and the key)."""
         path = Path(path)
         if (path / TRAIN_STATE).is_file():
-            try:
-                state = json.loads((path / TRAIN_STATE).read_text())
-            except ValueError as e:
-                raise CheckpointError(f"{path / TRAIN_STATE}: not valid JSON ({e})") from None
+            where, state = path / TRAIN_STATE, read_json(path / TRAIN_STATE)
         else:
             import torch
 
-            state = torch.load(path / LEGACY_TRAIN_STATE, map_location="cpu", weights_only=True)
-        known = [f.name for f in fields(cls)]
-        need = [f.name for f in fields(cls) if f.default is MISSING]
-        if not isinstance(state, dict) or any(k not in state for k in need):
-            raise CheckpointError(f"{path}: the train state lacks {', '.join(k for k in need if k not in state)}")
-        return cls(**{k: state[k] for k in known if k in state})
+            where = path / LEGACY_TRAIN_STATE
+            state = torch.load(where, map_location="cpu", weights_only=True)
+        r = Record(state, where)
+        need = [f.name for f in fields(cls) if f.default is MISSING and f.name not in r.data]
+        if need:
+            raise RecordError(f"{where}: the train state lacks {', '.join(need)}")
+        counters = {k: r.int(k, default=0) for k in ("skipped_steps", "overflow_skips", "consecutive_nonfinite")}
+        return cls(step=r.int("step"), consumed_samples=r.int("consumed_samples"),
+                   scheduler=scheduler_state(r.object("scheduler")), **counters, world_size=r.int("world_size", low=1),
+                   engine=r.str("engine", ENGINES), ema=ema_state(r.object("ema", default=None)),
+                   scaler=scaler_state(r.object("scaler", default=None)))
+
+
+def read_categories(path: Path) -> list[dict[str, Any]] | None:
+    """A detection checkpoint's class ids and names in label order (`categories.json`), checked; None without."""
+    file = Path(path) / CATEGORIES
+    if not file.is_file():
+        return None
+    data = read_json(file)
+    if not isinstance(data, list):
+        raise RecordError(f"{file}: expected a list of categories, got {type(data).__name__}")
+    for i, c in enumerate(data):
+        r = Record(c, f"{file}: category {i}")
+        r.int("id", low=-(2**63))
+        r.str("name", nonempty=False)
+    return data
 
 
 def read_train_state(path: Path) -> dict[str, Any]:

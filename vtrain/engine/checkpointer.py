@@ -8,11 +8,15 @@ and the loop itself, whose `state_dict()` / `load_state_dict()` is its part of `
 
 Every method here that says "Collective" runs the same collectives and barriers in the same order on every rank;
 that order is part of the protocol (a rank that skips or reorders one hangs or desyncs the run), so a change here
-is a change to every rank at once. Where later hardening goes:
-- refusing symlinked checkpoints when pruning or deleting: checkpoint.prune / checkpoint.remove (the format);
-- a full disk during a save: `_stage` is every write into the staging folder, so one handler around it (all ranks
-  agreeing on the outcome with `all_true` before `_commit`) removes the folder and reports one error line;
-- validating every tensor read on resume: `load` is the one read sequence, in the order listed there.
+is a change to every rank at once. Hardening, and where later hardening goes:
+- symlinked checkpoints are never pruned or deleted: checkpoint.prune / checkpoint.remove (the format), through
+  vtrain/guarded.py;
+- a full disk (or a read-only or vanished folder) during a save: `_stage` runs every write into the staging
+  folder through `guarded.Writes`, so a rank whose write failed still joins every collective of the save; the
+  ranks then agree on the outcome, rank 0 removes the staging folder and every rank stops with one error line
+  naming the path and the operation (`_abandon`). The manifest and the rename (`_commit`) are agreed the same way;
+- validating every tensor read on resume: `load` is the one read sequence; `_check_and_read` checks the recorded
+  model and every file of tensors (engine/content.py) before the engine reads any, all ranks agreeing.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from typing import Any, Callable, Protocol
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from vtrain.config import RunConfig
-from vtrain.dist import broadcast_from_main, gather_objects
+from vtrain import guarded
+from vtrain.config import RunConfig, load_run_config
+from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import faults
+from vtrain.engine import content, faults
 from vtrain.engine.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.head_shard import ShardedHead
@@ -74,6 +79,9 @@ class Checkpointer:
         if self.resume_from is not None:
             self.resume_state = ckpt.TrainState.read(self.resume_from)
             manifest = ckpt.read_manifest(self.resume_from)
+            # the model it records against this run's, before anything is built or written (the class count is
+            # compared in `load`, once the data is read)
+            broadcast_from_main(lambda: self._same_model(self.resume_from, None))
         self.run_id = (manifest.run_id if manifest is not None and manifest.run_id else None) or \
             broadcast_from_main(lambda: uuid.uuid4().hex)
         keep_best = self.cfg.train.keep_best
@@ -130,11 +138,53 @@ class Checkpointer:
 
     # ---- the read sequence ---------------------------------------------------------------------------------------
     def load(self) -> list[str]:
-        """Restore the run from `resume_from`: engine state (model, optimizer, RNG), head, schedule, the loop's
-        counters, loss scaler, EMA, best. Returns notes for the log. Collective under DeepSpeed and FSDP2."""
+        """Restore the run from `resume_from`. First what the checkpoint holds is checked against this run (the model
+        it records, then the tensors of every file this rank reads) and the head rows and the EMA are read, all ranks
+        agreeing on the outcome; then engine state (model, optimizer, RNG), schedule, the loop's counters, loss
+        scaler, best. Returns notes for the log. Collective under DeepSpeed and FSDP2."""
         path, state = self.resume_from, self.resume_state
         assert path is not None and state is not None and self.engine is not None
         notes: list[str] = []
+        # no collective inside: a bad file only one rank reads (its head shard) stops every rank with one line
+        agreed(lambda: self._check_and_read(path, state, notes))
+        if self.reshard_deepspeed:
+            self.engine.load_resharded_deepspeed(path, self.out)  # the universal checkpoint route (parallel.py)
+        else:
+            self.engine.load(path)
+        if not self.engine.parameters_finite():  # collective: DeepSpeed's and DCP's files are not parsed by vtrain
+            problem = f"--resume: {path}: the model's weights hold inf/NaN after loading its {state.engine} state"
+            raise VtrainError(problem) if self.is_main else AgreedError(problem)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.engine.set_lrs(self.scheduler.get_last_lr())  # LambdaLR.load_state_dict leaves the optimizer alone
+        self.loop.load_state_dict(state.to_json())
+        if state.world_size != self.world:
+            notes.append(f"resharded: saved by {state.world_size} processes, resumed on {self.world}")
+        if self.engine.scaler is not None and state.scaler:
+            self.engine.scaler.load_state_dict(state.scaler)
+        if self.ema is None and state.ema:
+            notes.append(f"{path} holds EMA weights; this run has no --ema-decay and drops them")
+        if self.best is not None and self.is_main:
+            note = self.best.restore(state.step)
+            if note:
+                notes.append(note)
+        return notes
+
+    def _same_model(self, path: Path, classes: int | None) -> None:
+        """The model checkpoint `path` records (its config.yaml and class count) against the one this run builds
+        with `classes` classes (None: not compared), in one line saying both."""
+        if not (path / ckpt.CONFIG).is_file():  # vtrain <= 0.1: no record; the tensors are still checked
+            return
+        saved_cfg = load_run_config(path / ckpt.CONFIG)
+        saved_classes = None if classes is None else content.recorded_classes(path, saved_cfg, "--resume")
+        content.same_model(content.describe(saved_cfg, saved_classes), content.describe(self.cfg, classes),
+                           f"--resume: {path}")
+
+    def _check_and_read(self, path: Path, state: ckpt.TrainState, notes: list[str]) -> None:
+        """The checkpoint's recorded model against this run's (one line saying both), the engine and optimizer
+        layout, then every file of tensors this rank reads, each against this run's model (content.py), before the
+        engine reads any; the head rows and the EMA are read here. No collective: `load` agrees on the outcome."""
+        classes = self.dataset.num_classes
+        self._same_model(path, classes)
         saved_kind = "ddp" if state.engine == "single" else state.engine  # one process is DDP of one
         kind = "ddp" if self.plan.kind == "single" else self.plan.kind
         if saved_kind != kind:
@@ -146,31 +196,21 @@ class Checkpointer:
             raise VtrainError(f"--resume: {path} has {saved_groups} optimizer parameter groups, this run builds "
                               f"{groups} (was --layer-decay changed?); resume with the run's settings or start "
                               "from its weights with --resume-weights-only")
+        spec = content.model_spec(self.cfg, classes)
+        read = [path / ckpt.ACCELERATE / "model.safetensors"] if kind == "ddp" else []  # Accelerate's name
         if self.reshard_deepspeed:
-            self.engine.load_resharded_deepspeed(path, self.out)  # the universal checkpoint route (parallel.py)
-        else:
-            self.engine.load(path)
+            read.append(path / ckpt.MODEL)  # its buffers and frozen parameters (parallel.py)
+        for f in read:
+            if f.is_file():
+                content.expect_tensors(f, spec, "--resume", "this run's model")
         if self.head is not None:
-            self.head.load(path)  # re-split for this run's number of processes
-        self.scheduler.load_state_dict(state.scheduler)
-        self.engine.set_lrs(self.scheduler.get_last_lr())  # LambdaLR.load_state_dict leaves the optimizer alone
-        self.loop.load_state_dict(state.to_json())
-        if state.world_size != self.world:
-            notes.append(f"resharded: saved by {state.world_size} processes, resumed on {self.world}")
-        if self.engine.scaler is not None and state.scaler:
-            self.engine.scaler.load_state_dict(state.scaler)
+            self.head.load(path)  # this run's rows, re-split for its number of processes, checked as read
         if self.ema is not None:
             if (path / ckpt.EMA).is_file() and state.ema:
+                content.expect_tensors(path / ckpt.EMA, spec, "--resume", "this run's model")
                 self.ema.load(path / ckpt.EMA, state.ema)  # re-sharded for this run's processes
             else:
                 notes.append(f"--ema-decay: {path} holds no EMA; the average starts from its weights")
-        elif state.ema:
-            notes.append(f"{path} holds EMA weights; this run has no --ema-decay and drops them")
-        if self.best is not None and self.is_main:
-            note = self.best.restore(state.step)
-            if note:
-                notes.append(note)
-        return notes
 
     # ---- the write sequence --------------------------------------------------------------------------------------
     def save(self, log: Callable[[str], None]) -> Path:
@@ -178,59 +218,101 @@ class Checkpointer:
         every file's size and SHA-256 (hashed by all ranks in parallel), renamed into place by rank 0, which then
         prunes and records the best. `log`: rank 0's run log. Collective."""
         loop = self.loop.state_dict()
-        tmp = self._stage(loop)
-        return self._commit(tmp, loop["step"], log)
-
-    def _stage(self, loop: dict[str, Any]) -> Path:
-        """Every write into the staging folder; returns it once every rank's files are complete. Collective."""
         step = loop["step"]
-        tmp = ckpt.begin(self.out, step, self.is_main)
+        problem = self._stage(loop)
+        # every rank's outcome, agreed before anything is listed or renamed: one rank's full disk stops them all
+        problems = [p for p in gather_objects(problem) if p]
+        if problems:
+            broadcast_from_main(lambda: self._abandon(step, problems[0]))  # raises on every rank
+        return self._commit(ckpt.tmp_path(self.out, step), step, log)
+
+    def _stage(self, loop: dict[str, Any]) -> str | None:
+        """Every write into the staging folder, on every rank; returns this rank's first failed write as one line
+        (None when all succeeded). After a failure a rank skips its own remaining writes but still runs every
+        collective below, so no rank is left waiting in one. Collective."""
+        step = loop["step"]
+        tmp = ckpt.tmp_path(self.out, step)
+        write = guarded.Writes()
+        write("create", tmp, ckpt.begin, self.out, step, self.is_main)
         self.accelerator.wait_for_everyone()  # the staging folder exists (and is empty) before any rank writes
         self.engine.sync_buffers()  # collective: what is saved is what every rank continues with
-        self.engine.save(tmp)  # every rank its shards and RNG state
+        write("write", tmp, self.engine.save, tmp)  # every rank its shards and RNG state
         if self.head is not None:
-            self.head.save(tmp)  # every rank its class range (head_shard.py)
+            write("write", tmp / ckpt.HEAD, self.head.save, tmp)  # every rank its class range (head_shard.py)
         full = self.engine.full_state_dict()  # collective (FSDP2 / ZeRO-3 gather), whole on rank 0
         ema_full = self.ema.full_state_dict(full) if self.ema is not None else None  # collective, whole on rank 0
         faults.crash("VTRAIN_DEBUG_CRASH_IN_SAVE", step)
         if self.is_main:
-            save_file(full, str(tmp / ckpt.MODEL))
+            write("write", tmp / ckpt.MODEL, save_file, full, str(tmp / ckpt.MODEL))
             if ema_full is not None:
-                save_file(ema_full, str(tmp / ckpt.EMA), metadata={k: str(v) for k, v in self.ema.state().items()})
-            ckpt.TrainState(
+                write("write", tmp / ckpt.EMA, save_file, ema_full, str(tmp / ckpt.EMA),
+                      metadata={k: str(v) for k, v in self.ema.state().items()})
+            state = ckpt.TrainState(
                 **loop, scheduler=self.scheduler.state_dict(), world_size=self.world, engine=self.plan.kind,
                 ema=self.ema.state() if self.ema is not None else None,
-                scaler=self.engine.scaler.state_dict() if self.engine.scaler is not None else None).write(tmp)
-            self.cfg.save(tmp / ckpt.CONFIG)
+                scaler=self.engine.scaler.state_dict() if self.engine.scaler is not None else None)
+            write("write", tmp / ckpt.TRAIN_STATE, state.write, tmp)
+            write("write", tmp / ckpt.CONFIG, self.cfg.save, tmp / ckpt.CONFIG)
             if hasattr(self.dataset, "categories"):  # detection class names, for `vtrain predict`; in the manifest
-                ckpt.write_json(tmp / ckpt.CATEGORIES, self.dataset.categories)
+                write("write", tmp / ckpt.CATEGORIES, ckpt.write_json, tmp / ckpt.CATEGORIES, self.dataset.categories)
         self.accelerator.wait_for_everyone()  # every rank's files are complete before any is listed or hashed
-        return tmp
+        return write.problem
+
+    def _abandon(self, step: int, problem: str) -> None:
+        """Rank 0, after a failed save: remove the staging folder (nothing half-written stays) and raise the one
+        line every rank stops with. The earlier checkpoints were never touched: pruning runs only after a commit."""
+        tmp = ckpt.tmp_path(self.out, step)
+        if not tmp.exists() and ckpt.is_checkpoint(ckpt.final_path(self.out, step)):  # failed after the rename
+            raise VtrainError(f"saved checkpoint step_{step}, then: {problem}")
+        try:
+            ckpt.abandon(self.out, step)
+            cleanup = f"removed the unfinished {tmp.name}"
+        except VtrainError as e:
+            cleanup = f"could not remove the unfinished {tmp} ({e})"
+        newest = self.newest()
+        raise VtrainError(f"saving checkpoint step_{step}: {problem}; {cleanup}; the earlier checkpoints are as "
+                          f"they were (newest: {newest.name if newest else 'none'})")
 
     def _commit(self, tmp: Path, step: int, log: Callable[[str], None]) -> Path:
         """Hash the staged files (each rank a share), then rank 0 writes the manifest, renames the folder into
-        place, prunes this lineage beyond --keep-last (never the best) and records the best. Collective."""
+        place, prunes this lineage beyond --keep-last (never the best) and records the best; a failure there is
+        agreed like one in `_stage`. Collective."""
         files = broadcast_from_main(lambda: ckpt.payload_files(tmp))  # one list: rank 0's view of the folder
         digests = ckpt.digest_share(tmp, files, self.rank, self.world)
         digests = {k: v for share in gather_objects(digests) for k, v in share.items()}
-        final = ckpt.final_path(self.out, step)
-        if self.is_main:
-            final = ckpt.commit(self.out, step, self.run_id, digests, self.cfg.train.keep_last,
-                                protect=self.best.protect() if self.best is not None else ())
+
+        def commit() -> Path:
+            try:
+                final, notes = ckpt.commit(self.out, step, self.run_id, digests, self.cfg.train.keep_last,
+                                           protect=self.best.protect() if self.best is not None else ())
+            except VtrainError as e:  # the manifest could not be written, or the folder not renamed
+                self._abandon(step, str(e))
             if self.best is not None:
                 self.best.write()
             log(f"saved {final}")
+            for note in notes:
+                log(note)
+            return final
+
+        final = broadcast_from_main(commit)  # raises on every rank when rank 0's commit failed
         self.accelerator.wait_for_everyone()  # no rank goes on (or exits) before the checkpoint is in place
         return final
 
     # ---- --keep-best ---------------------------------------------------------------------------------------------
     def consider_best(self, step: int, metrics: dict[str, Any] | None) -> str | None:
-        """After an evaluation: rank 0 decides whether `step` is the new best (a user error there stops every rank)
-        and records it now if the step is saved already (the last one), else after its save. Returns rank 0's
-        note for the log. Collective when --keep-best is on."""
-        if self.best is None or not broadcast_from_main(lambda: self.best.consider(step, metrics)):
+        """After an evaluation: rank 0 decides whether `step` is the new best and records it now if the step is
+        saved already (the last one), else after its save; a user or disk error there stops every rank. Returns
+        the note for the log. Collective when --keep-best is on."""
+        if self.best is None:
             return None
-        if not self.is_main:
-            return None
-        self.best.write()
-        return f"--keep-best: new best {self.best.best['metric']} = {self.best.best['value']:.4g} at step {step}"
+
+        def decide() -> str | None:
+            if not self.best.consider(step, metrics):
+                return None
+            note = f"--keep-best: new best {self.best.best['metric']} = {self.best.best['value']:.4g} at step {step}"
+            if self.best.write():  # its step is saved already (the last one): the best it replaced is pruned now
+                left = ckpt.prune(self.out, self.run_id, self.cfg.train.keep_last, self.best.protect())
+                note = "\n".join([note, *left])
+            return note
+
+        return broadcast_from_main(decide)

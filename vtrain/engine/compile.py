@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.fx.experimental import _config as fx_config
 
 from vtrain.config import TrainConfig
 from vtrain.engine.fsdp import shard_units
@@ -41,8 +42,9 @@ from vtrain.errors import VtrainError
 
 # Graphs one group may need even with symbolic sizes: training and evaluation (grad mode, eval flag) x the shape
 # classes a Swin block specialises on (each side a multiple of the window or padded; one window per row or column
-# at the coarsest stage of a small image) x a first-compile specialisation when two sizes happen to be equal
-# (dynamo's duck sizing gives them one symbol). torch's default of 8 for all of that could push a Swin group
+# at the coarsest stage of a small image). Duck sizing is off in the regions of a task whose sizes vary
+# (`_distinct_symbols`): two sizes equal by chance at the first compile specialise nothing. torch's default of
+# 8 for all of that could push a Swin group
 # into eager mid-run; twice that still stops a block that recompiles every step after 16 compiles.
 RECOMPILE_LIMIT = 16
 
@@ -52,6 +54,20 @@ def _run_region(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # put on the instance. Looked up on `self` (no closure over the block) so every block of a group shares the
     # one compiled function, and a deep copy of the model calls its own blocks.
     return self._vtrain_eager_forward(*args, **kwargs)
+
+
+def _distinct_symbols(compiled: Any) -> Any:
+    """`compiled` called with dynamo's duck sizing off. Duck sizing gives two input sizes that are equal at the
+    first compile one symbol, and the graph then holds only while they stay equal: DINO's encoder layers take each
+    level's padding mask, and an image whose coarsest level came out square (3 x 3) compiled a graph that the next
+    image size could not use. The setting is read when a compile starts (its ShapeEnv), so it is set around the
+    call, and only for the regions."""
+
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(self, *args, **kwargs)
+
+    return call
 
 
 def _group_key(block: nn.Module) -> tuple:
@@ -107,6 +123,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor", sizes_vary: bool 
         fn = torch.compile(_run_region, backend=backend, dynamic=True if sizes_vary else None, fullgraph=fullgraph,
                            isolate_recompiles=True, recompile_limit=RECOMPILE_LIMIT,
                            name=f"vtrain_region_{i}_{type(members[0]).__name__}")
+        if sizes_vary:
+            fn = _distinct_symbols(fn)
         for b in members:
             b._vtrain_eager_forward = b.forward
             b._vtrain_compile_group = i

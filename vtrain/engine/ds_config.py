@@ -49,7 +49,8 @@ def fill_ds_config(raw: dict[str, Any], source: str, *, batch_size: int, grad_ac
     if zero.stage == 3:
         if selective_recompute and zero_json.get("memory_efficient_linear") is True:
             raise ConfigError(f"--ds-config {source}: zero_optimization.memory_efficient_linear=true cannot be "
-                              "combined with selective checkpointing (--grad-ckpt sac:...); set it to false")
+                              "combined with selective checkpointing (--grad-ckpt sac:..., or auto, which may choose it); "
+                              "set it to false")
         zero_json.setdefault("memory_efficient_linear", False)
     autocast_cfg = ds.get("torch_autocast", {})
     if explicit:  # the user asked for DeepSpeed's own full low-precision mode: respect it

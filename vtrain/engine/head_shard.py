@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from vtrain.config import RunConfig
 from vtrain.dist import all_sum, all_true
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.content import ContentError, head_files, nonfinite, shard_name
 from vtrain.errors import VtrainError
 from vtrain.models.partial_fc import PartialFC
 
@@ -126,7 +127,8 @@ class ShardedHead:
     def load(self, ckpt_dir: Path) -> None:
         """Read this rank's class range from the checkpoint's shard files, whatever split they were saved in."""
         start, n = self.fc.class_start, self.fc.num_local
-        rows = read_rows(ckpt_dir, start, n, self.fc.num_classes, ("weight", "exp_avg", "exp_avg_sq", "row_steps"))
+        rows = read_rows(ckpt_dir, start, n, self.fc.num_classes, self.fc.weight.shape[1],
+                         ("weight", "exp_avg", "exp_avg_sq", "row_steps"))
         with torch.no_grad():
             self.fc.weight.copy_(rows["weight"])
             self.exp_avg.copy_(rows["exp_avg"])
@@ -150,58 +152,40 @@ class ShardedHead:
         return f"; sharded head: classes {s}..{s + n} of head.weight loaded"
 
 
-def shard_name(start: int, n: int) -> str:
-    return f"classes_{start:09d}-{start + n:09d}.safetensors"
-
-
-def head_files(ckpt_dir: Path) -> list[tuple[Path, int, int, int]]:
-    """(file, class_start, num_local, num_classes) of every head shard of a checkpoint, by class start."""
-    out = []
-    for f in sorted((Path(ckpt_dir) / ckpt.HEAD).glob("classes_*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            meta = sf.metadata() or {}
-        try:
-            out.append((f, int(meta["class_start"]), int(meta["num_local"]), int(meta["num_classes"])))
-        except (KeyError, ValueError):
-            raise VtrainError(f"{f}: not a vtrain head shard (no class range in its metadata)") from None
-    return sorted(out, key=lambda x: x[1])
-
-
-def read_rows(ckpt_dir: Path, start: int, n: int, num_classes: int | None,
-              names: tuple[str, ...] = ("weight",)) -> dict[str, torch.Tensor]:
+def read_rows(ckpt_dir: Path, start: int, n: int, num_classes: int | None, dim: int | None,
+              names: tuple[str, ...] = ("weight",), finite: bool = True) -> dict[str, torch.Tensor]:
     """Rows [start, start+n) of the named head tensors, stitched from the shard files that hold them (sliced reads:
-    only the rows needed are read). The shards must tile the class range exactly."""
-    files = head_files(ckpt_dir)
+    only the rows needed are read). The shards are checked first (content.head_files: class ranges that tile,
+    shapes and dtypes against their metadata and `dim`), and, with `finite`, the rows read must be finite."""
+    files = head_files(ckpt_dir, dim)
     if not files:
         raise VtrainError(f"{ckpt_dir}: no sharded head ({ckpt.HEAD}/classes_*.safetensors)")
-    saved_classes = files[0][3]
+    saved_classes = files[0].classes
     if num_classes is not None and saved_classes != num_classes:
         raise VtrainError(f"{ckpt_dir}: the head has {saved_classes} identities, this run {num_classes}")
-    expect = 0
-    for _, s, k, _ in files:
-        if s != expect:
-            raise VtrainError(f"{ckpt_dir}: head shards do not tile classes 0..{saved_classes} (gap or overlap at "
-                              f"{expect})")
-        expect = s + k
-    if expect != saved_classes:
-        raise VtrainError(f"{ckpt_dir}: head shards end at class {expect}, not {saved_classes}")
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in names}
-    for f, s, k, _ in files:
+    for shard in files:
+        s, k = shard.start, shard.n
         lo, hi = max(start, s), min(start + n, s + k)
         if lo >= hi:
             continue
-        with safe_open(str(f), "pt") as sf:
+        with safe_open(str(shard.file), "pt") as sf:
             for name in names:
-                parts[name].append(sf.get_slice(name)[lo - s:hi - s])
+                rows = sf.get_slice(name)[lo - s:hi - s]
+                problem = nonfinite(name, rows) if finite else None
+                if problem:
+                    raise ContentError(f"{shard.file}: {problem} in classes {lo}..{hi}")
+                parts[name].append(rows)
     return {k: torch.cat(v) for k, v in parts.items()}
 
 
-def full_weight(ckpt_dir: Path) -> torch.Tensor:
-    """The whole head weight (num_classes, dim) in fp32, for `vtrain consolidate`."""
-    files = head_files(ckpt_dir)
+def full_weight(ckpt_dir: Path, dim: int | None = None) -> torch.Tensor:
+    """The whole head weight (num_classes, dim) in fp32, for `vtrain consolidate`, which scans it for inf/NaN
+    itself (its table of offenders, --allow-nonfinite)."""
+    files = head_files(ckpt_dir, dim)
     if not files:
         raise VtrainError(f"{ckpt_dir}: no sharded head ({ckpt.HEAD}/classes_*.safetensors)")
-    return read_rows(ckpt_dir, 0, files[0][3], None)["weight"].float()
+    return read_rows(ckpt_dir, 0, files[0].classes, None, dim, finite=False)["weight"].float()
 
 
 def lr_factor(scheduler, step_index: int | None = None) -> float:

@@ -20,7 +20,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from vtrain import guarded
 from vtrain.dist import gather_objects
+from vtrain.engine.checkpoint import TENSORBOARD
 from vtrain.errors import VtrainError
 from vtrain.files import write_json_atomic
 
@@ -90,8 +92,7 @@ class RunLogger:
         """`extra`: tracker-only scalars (e.g. the LR of every parameter group), too many for a log line."""
         if not self.enabled:
             return
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(self.out / "metrics.jsonl", json.dumps(record))
         console.print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), soft_wrap=True)
         if self.tracker is not None:
             self.tracker({**scalars(record, "train"), **(extra or {})}, record["step"])
@@ -100,8 +101,7 @@ class RunLogger:
         if not self.enabled:
             return
         flat = {k: v for k, v in metrics.items() if k != "rows"}
-        with open(self.out / "eval.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, **flat}) + "\n")
+        append_line(self.out / "eval.jsonl", json.dumps({"step": step, **flat}))
         console.print(table)
         if self.tracker is not None:
             self.tracker(scalars(flat, "eval"), step)
@@ -112,6 +112,12 @@ class RunLogger:
         if self.end_tracking is not None:  # flushes the TensorBoard writer / finishes the W&B run
             end, self.end_tracking = self.end_tracking, None
             end()
+
+
+def append_line(path: Path, line: str) -> None:
+    """One log line, appended (rundir.check_links made sure `path` is no link); a full disk is one error line."""
+    with guarded.disk_op("append to", path), open(path, "a") as f:
+        f.write(line + "\n")
 
 
 def verification_table(metrics: dict[str, Any], title: str = "verification") -> Table:
@@ -214,8 +220,10 @@ def start_trackers(accelerator: Accelerator, report_to: str, output_dir: Path, r
     out = Path(output_dir)
     kwargs = {"wandb": {"dir": str(out), "name": out.name, "id": run_id, "resume": "allow"}}
     # TensorBoard writes <output-dir>/tensorboard/ (`tensorboard --logdir` on the run or its parent dir)
-    accelerator.init_trackers("tensorboard" if report_to == "tensorboard" else "vtrain", config=flat_hparams(config),
-                              init_kwargs={k: v for k, v in kwargs.items() if k == report_to})
+    with guarded.disk_op(f"start {report_to} in", out / TENSORBOARD if report_to == "tensorboard" else out):
+        accelerator.init_trackers("tensorboard" if report_to == "tensorboard" else "vtrain",
+                                  config=flat_hparams(config),
+                                  init_kwargs={k: v for k, v in kwargs.items() if k == report_to})
 
     def finish() -> None:  # not accelerator.end_training: that also destroys the process group
         for tracker in accelerator.trackers:

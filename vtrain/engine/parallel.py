@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 from torch import nn
 
+from vtrain import guarded
 from vtrain.dist import all_mean_, all_true, world_size
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import precision as prec
@@ -419,7 +420,6 @@ class ParallelEngine:
         Per-rank RNG states are not restored (there is no rank-to-rank mapping); the data position is."""
         import contextlib
         import io
-        import shutil
         from types import SimpleNamespace
 
         import deepspeed
@@ -433,7 +433,7 @@ class ParallelEngine:
             from deepspeed.checkpoint import ds_to_universal
 
             tmp = dst.with_name(f".tmp-{dst.name}")
-            shutil.rmtree(tmp, ignore_errors=True)
+            guarded.rmtree(work_dir, tmp)  # a stale conversion of a killed run; never through a link
             args = SimpleNamespace(input_folder=str(src), output_folder=str(tmp / ckpt.DS_TAG),
                                    num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
                                    inject_missing_state=True)

@@ -79,6 +79,13 @@ def _ds_config_source(cfg: RunConfig) -> tuple[dict[str, Any] | None, str | None
     return None, None
 
 
+def _may_be_selective(cfg: RunConfig) -> bool:
+    """Whether a unit may run under selective checkpointing: one named `sac:`, or `auto` (the planner may choose
+    it)."""
+    spec = recompute.parse(cfg.model.grad_ckpt)
+    return spec.auto or any(i.mode == "sac" for i in spec.items)
+
+
 def resolve_plan(cfg: RunConfig) -> Plan:
     world = world_size_from_env()
     precision = resolve_precision(cfg.parallel.mixed_precision)
@@ -91,8 +98,7 @@ def resolve_plan(cfg: RunConfig) -> Plan:
                                       grad_accum=cfg.train.grad_accum, world_size=world,
                                       clip_grad=cfg.optim.clip_grad, precision=precision,
                                       precision_explicit=cfg.parallel.mixed_precision != "auto",
-                                      selective_recompute=any(i.mode == "sac" for i in
-                                                              recompute.parse(cfg.model.grad_ckpt).items))
+                                      selective_recompute=_may_be_selective(cfg))
         return Plan("deepspeed", world, info["precision"], ds_config=filled, zero_stage=info["stage"],
                     offload_optimizer=info["offload_optimizer"], offload_params=info["offload_params"],
                     ds_precision_mode=info["mode"])

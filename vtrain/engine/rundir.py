@@ -9,6 +9,11 @@ processes that find the same stale lock cannot both win.
 A new run refuses a directory that already holds another run's checkpoints or logs, unless it resumes
 (`--resume`) or is told to start over (`--overwrite-output-dir`, which deletes only verified vtrain checkpoints
 and vtrain's own log files).
+
+Everything a run writes or deletes lies inside its directory, as real files and folders (vtrain/guarded.py): a
+name the run writes (`RUN_NAMES`, and `best.json` or a staging folder in `checkpoints/`) that is a symbolic link
+stops the run before anything is written, since writing there would write elsewhere; a `checkpoints/step_<N>`
+that is a link is not the run's and is left alone (named in the log). The lock's fields are checked when read.
 """
 
 from __future__ import annotations
@@ -23,14 +28,19 @@ from pathlib import Path
 
 import psutil
 
+from vtrain import guarded
 from vtrain.dist import AgreedError, broadcast_from_main, gather_objects, is_main
 from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
+from vtrain.files import write_text_atomic
+from vtrain.records import Record, RecordError, read_json
 
 LOCK = ".vtrain.lock"
 HEARTBEAT_S = 15.0
 STALE_AFTER_S = 120.0
 LOG_FILES = ("metrics.jsonl", "eval.jsonl", "run_info.json")
+# every name a run writes directly in its directory: none may be a link (it would write or delete elsewhere)
+RUN_NAMES = (ckpt.CONFIG, *LOG_FILES, LOCK, ckpt.CHECKPOINTS, ckpt.TENSORBOARD, ckpt.UNIVERSAL)
 
 
 def _me() -> dict:
@@ -56,8 +66,14 @@ class OutputDirLock:
                                       "wait for it to finish or choose another --output-dir") from None
                 self._take_over()
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.owner, f)
+            except OSError as e:  # a read-only or full directory, a missing permission: one line
+                raise guarded.environment_error(e, "create the lock", self.path) or e from None
+            try:
+                with guarded.disk_op("write the lock", self.path), os.fdopen(fd, "w") as f:
+                    json.dump(self.owner, f)
+            except VtrainError:
+                self.path.unlink(missing_ok=True)  # no half-written lock stays behind
+                raise
             self._thread = threading.Thread(target=self._beat, name="vtrain-lock-heartbeat", daemon=True)
             self._thread.start()
             return
@@ -65,16 +81,14 @@ class OutputDirLock:
 
     def _inspect(self) -> tuple[str, bool]:
         try:
-            text = self.path.read_text()
-            age = time.time() - self.path.stat().st_mtime
+            age = time.time() - self.path.lstat().st_mtime
         except FileNotFoundError:
             return "gone", True
-        try:
-            held = json.loads(text)
-            host, pid, started = held["host"], int(held["pid"]), float(held["started"])
-        except (ValueError, KeyError, TypeError):
+        held = read_lock(self.path)
+        if held is None:
             # a lock being written right now is empty for an instant; an unreadable old one is stale
             return "unreadable lock", age > STALE_AFTER_S
+        host, pid, started = held["host"], held["pid"], held["started"]
         who = f"pid {pid} on {host}, heartbeat {age:.0f} s ago"
         if host == socket.gethostname():
             try:
@@ -101,22 +115,34 @@ class OutputDirLock:
 
     def release(self) -> None:
         self._stop.set()
-        try:
-            if json.loads(self.path.read_text()).get("token") == self.owner["token"]:
+        held = read_lock(self.path)
+        if held is not None and held["token"] == self.owner["token"]:
+            try:
                 self.path.unlink()
-        except (OSError, ValueError):
-            pass
+            except OSError:  # a read-only directory now: the lock is stale once this process is gone
+                pass
+
+
+def read_lock(path: Path) -> dict | None:
+    """The lock's fields, checked (host, pid, process start time, token); None for a missing, half-written or
+    malformed lock, or one that is not a real file."""
+    if Path(path).is_symlink():
+        return None
+    try:
+        r = Record(read_json(path), path)
+        return {"host": r.str("host"), "pid": r.int("pid", low=1, high=2**31 - 1),
+                "started": r.number("started", low=0), "token": r.str("token")}
+    except RecordError:
+        return None
 
 
 def lock_seen(output_dir: Path, token: str, tries: int = 10, wait_s: float = 0.5) -> str | None:
     """Whether this process sees the lock (by its `token`) that rank 0 just created in output_dir: None if it
     does, else a one-line problem. Several tries: a network file system may show a new file a moment late."""
     for attempt in range(tries):
-        try:
-            if json.loads((Path(output_dir) / LOCK).read_text()).get("token") == token:
-                return None
-        except (OSError, ValueError):
-            pass
+        held = read_lock(Path(output_dir) / LOCK)
+        if held is not None and held["token"] == token:
+            return None
         if attempt + 1 < tries:
             time.sleep(wait_s)
     return f"{socket.gethostname()} (pid {os.getpid()}) does not see the lock in {output_dir}"
@@ -145,9 +171,10 @@ def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[Output
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise VtrainError(f"--output-dir: cannot create {out} ({e.strerror})") from None
+    check_links(out)
     lock = OutputDirLock(out)
     lock.acquire()
-    notes: list[str] = []
+    notes: list[str] = ckpt.linked_entries(out)
     try:
         existing = ckpt.complete_checkpoints(out)
         logs = [n for n in LOG_FILES if (out / n).exists()]
@@ -158,16 +185,28 @@ def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[Output
                 raise VtrainError(f"--output-dir {out} already holds {what}; continue it with --resume auto, or start "
                                   "over with --overwrite-output-dir (deletes that run's checkpoints and logs)")
             for p in existing:
-                ckpt.remove(p)
-            for n in logs:
-                (out / n).unlink()
-            (ckpt.checkpoint_dir(out) / ckpt.BEST).unlink(missing_ok=True)  # --keep-best of the deleted run
+                notes += ckpt.remove(p)
+            for name in (*LOG_FILES, f"{ckpt.CHECKPOINTS}/{ckpt.BEST}"):  # best.json: --keep-best of that run
+                guarded.unlink(out, out / name)
             if existing:
                 notes.append(f"--overwrite-output-dir: deleted {len(existing)} checkpoints of the earlier run in {out}")
     except BaseException:
         lock.release()
         raise
     return lock, notes
+
+
+def check_links(out: Path) -> None:
+    """Refuse a run directory where a name the run writes is a link (see the module docstring), before anything is
+    written; links to checkpoints are left alone (`ckpt.linked_entries`)."""
+    names = [out / n for n in RUN_NAMES]
+    ckpts = ckpt.checkpoint_dir(out)
+    if ckpts.is_dir() and not ckpts.is_symlink():
+        names += [ckpts / ckpt.BEST, *(p for p in ckpts.iterdir() if p.name.startswith(ckpt.STAGING))]
+    link = next((p for p in names if p.is_symlink()), None)
+    if link is not None:
+        raise VtrainError(f"--output-dir {out}: {guarded.describe_link(link)}; a run writes and deletes only real "
+                          "files and folders inside its directory: replace the link, or choose another --output-dir")
 
 
 def truncate_logs(output_dir: Path, step: int) -> None:
@@ -178,12 +217,12 @@ def truncate_logs(output_dir: Path, step: int) -> None:
         if not path.is_file():
             continue
         kept = []
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except ValueError:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
                 continue
-        tmp = path.with_name(f".{name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
+            # a line vtrain did not write (edited, truncated by a crash) is dropped with the later steps
+            if isinstance(record, dict) and type(record.get("step", 0)) is int and record.get("step", 0) <= step:
+                kept.append(line)
+        write_text_atomic(path, "".join(f"{line}\n" for line in kept))

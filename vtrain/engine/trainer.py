@@ -20,9 +20,9 @@ from accelerate.utils import set_seed
 from vtrain.config import RunConfig
 from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import SkipBadSamples
-from vtrain.dist import all_mean_, broadcast_from_main, gather_objects, leave
+from vtrain.dist import agreed, all_mean_, broadcast_from_main, gather_objects, leave
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import faults, head_shard, rundir
+from vtrain.engine import autoplan, content, faults, head_shard, rundir
 from vtrain.engine.checkpointer import Checkpointer
 from vtrain.engine.compile import compile_regions
 from vtrain.engine.ema import WeightEMA
@@ -78,21 +78,17 @@ class Trainer:
         # the evaluation data (held-out sets, .bin packs) is read and checked now: a pack that cannot be scored
         # must stop the run before it trains, not after its final save
         self.task.check_eval_data()
-        # 4. model -> activation checkpointing (inside build_model) -> pretrained weights -> sharding
+        # 4. model -> activation checkpointing (inside build_model; with `--grad-ckpt auto` the planner's, made on
+        # rank 0 from a fake-tensor trace and broadcast) -> pretrained weights -> sharding
         model = self.task.build_model()
+        self.memory_plan = autoplan.choose(cfg, self.plan, dataset.num_classes, self.accelerator.device)
+        if self.memory_plan is not None:
+            autoplan.apply(model, self.memory_plan)
+            self.logger_notes.append(f"--grad-ckpt auto: {self.memory_plan.describe()} "
+                                     f"({self.memory_plan.traces} traces, {self.memory_plan.seconds:.0f} s)")
         # --head-parallel sharded: this rank's class shard, built beside (never inside) the model the engine wraps
         self.head = head_shard.build(cfg, dataset, self.rank, self.world, self.accelerator.device, self.plan)
-        self.pretrained_msg = ""
-        if cfg.model.pretrained and self.resumed_from is None:
-            self.pretrained_msg = self.task.load_pretrained(model)
-            if self.head is not None:  # a full model file's head.weight (consolidated): this rank's rows
-                self.pretrained_msg += self.head.take_rows(read_state_dict(cfg.model.pretrained))
-        if t.resume_weights_only:
-            sd = read_state_dict(t.resume_weights_only)
-            head_msg = self.head.take_rows(sd, required=True) if self.head is not None else ""
-            load_strict(model, sd, "--resume-weights-only", f"{t.resume_weights_only} does not fit this model")
-            self.pretrained_msg = f"weights loaded from {t.resume_weights_only} (fresh optimizer and schedule)" + \
-                head_msg
+        self.pretrained_msg = agreed(lambda: self._load_weights(model))  # every rank reads the file: one line
         self.engine = ParallelEngine(self.plan, self.accelerator)
         # A ZeRO checkpoint of another world size is loaded in DeepSpeed's universal format, which must be
         # configured before the engine exists (prepare, below).
@@ -125,6 +121,8 @@ class Trainer:
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.active = self.engine.active()
         self.active["grad_ckpt"] = recompute_summary(self.engine.unwrapped)  # read from the live blocks
+        if self.memory_plan is not None:
+            self.active.update(autoplan.report(self.engine.unwrapped, self.memory_plan))
         if self.head is not None:
             self.active.update(self.head.active())
         self.engine.verify(self.active)
@@ -157,6 +155,29 @@ class Trainer:
         self.step, self.consumed_samples = state["step"], state["consumed_samples"]
         self.skipped_steps, self.overflow_skips = state["skipped_steps"], state["overflow_skips"]
         self.consecutive_nonfinite = state["consecutive_nonfinite"]
+
+    def _load_weights(self, model: torch.nn.Module) -> str:
+        """--pretrained (not on a resume) or --resume-weights-only, checked first (engine/content.py): a pretrained
+        file's values (its loader matches names and shapes), a weights-only file against this model, head included.
+        Returns the note for the log."""
+        cfg, file = self.cfg, self.cfg.train.resume_weights_only
+        msg = ""
+        if cfg.model.pretrained and self.resumed_from is None:
+            content.expect_tensors(cfg.model.pretrained, None, "--pretrained")
+            msg = self.task.load_pretrained(model)
+            if self.head is not None:  # a full model file's head.weight (consolidated): this rank's rows
+                msg += self.head.take_rows(read_state_dict(cfg.model.pretrained))
+        if file:
+            sd = read_state_dict(file)
+            spec = content.spec_of(model.state_dict(), exact=False)
+            if self.head is not None:  # the sharded head's rows come from the file's full head.weight
+                fc = self.head.fc
+                spec["head.weight"] = content.Want((fc.num_classes, fc.weight.shape[1]), content.FLOATS)
+            content.expect_tensors(file, spec, "--resume-weights-only", "this model", tensors=sd)
+            head_msg = self.head.take_rows(sd, required=True) if self.head is not None else ""
+            load_strict(model, sd, "--resume-weights-only", f"{file} does not fit this model")
+            msg = f"weights loaded from {file} (fresh optimizer and schedule)" + head_msg
+        return msg
 
     def _claim_output_dir(self) -> list[str]:
         t = self.cfg.train

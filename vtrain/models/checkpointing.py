@@ -17,6 +17,7 @@ by a planner that tries sets of units. Model code calls nothing here except its 
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Iterable, Mapping
 
@@ -40,19 +41,29 @@ _BLOCK_SUFFIXES = ("Block", "Bottleneck", "BasicBlock")  # engine/fsdp.py shards
 
 
 def sac_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective checkpointing: keep the outputs of matrix products (SAVED_OPS), recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op.name() in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective checkpointing: keep the outputs of matrix products (SAVED_OPS), recompute the rest. Products run
+    without grad (inside a custom autograd Function's forward: the encoder FFN's token chunks, chunked_mlp.py) are
+    not kept: autograd saves none of them, and the Function keeps what its backward needs itself."""
+    keep = op.name() in SAVED_OPS and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _sac_contexts():
     return create_selective_checkpoint_contexts(sac_policy)
 
 
+# torch 2.14 asks whether the tensors selective checkpointing caches should also go through saved-tensor hooks active
+# around them (it warns, and will change its default). models/lean.py's hooks, active inside units, must see only
+# what autograd saves, which is the old behaviour: asked for explicitly where torch knows the choice.
+_SAC_BYPASSES_HOOKS = ({"respect_saved_tensors_hooks": False}
+                       if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+
+
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
     fwd = functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
         return fwd(*args, **kwargs)
-    extra = {"context_fn": _sac_contexts} if self._vtrain_recompute == "sac" else {}
+    extra = {"context_fn": _sac_contexts, **_SAC_BYPASSES_HOOKS} if self._vtrain_recompute == "sac" else {}
     return checkpoint(fwd, *args, use_reentrant=False, **extra, **kwargs)
 
 
@@ -148,3 +159,38 @@ def active_recompute(model: nn.Module) -> dict[str, str]:
 def recompute_summary(model: nn.Module) -> str:
     """The active checkpointing as the shortest `--grad-ckpt` spec ("none" when nothing is checkpointed)."""
     return str(recompute.from_units(active_recompute(model), list(recompute_units(model))))
+
+
+# ---- the second knob: a block that remakes one hidden layer in backward (models/lean.py) ------------------------
+# A module that can drop its hidden layer and make it again in backward (DINO's encoder FFN: one fc1 matmul more,
+# 8 tokens x 256 bytes less per token) says so with a boolean attribute `recompute_hidden`. The model-wide switch is
+# ModelConfig.ffn_recompute; the memory planner sets it per unit. Inside a checkpointed unit the remade tensor is
+# kept by nobody anyway (lean.py computes plainly there), so the switch only matters for units run plainly.
+def hidden_units(model: nn.Module) -> list[str]:
+    """Units (forward order) whose blocks hold a module with a `recompute_hidden` switch."""
+    return [name for name, blocks in recompute_units(model).items()
+            if any(hasattr(m, "recompute_hidden") for b in blocks for m in b.modules())]
+
+
+def set_hidden_recompute(model: nn.Module, chosen: Iterable[str]) -> list[str]:
+    """Turn `recompute_hidden` on in exactly the units `chosen` (names of `hidden_units`), off elsewhere. Returns the
+    units switched on, in forward order; a name without such a module raises ValueError."""
+    chosen = set(chosen)
+    units = recompute_units(model)
+    able = hidden_units(model)
+    bad = sorted(chosen - set(able))
+    if bad:
+        raise ValueError(f"unit {bad[0]!r} has no hidden layer to remake; units that do: {', '.join(able) or 'none'}")
+    for name in able:
+        for b in units[name]:
+            for m in b.modules():
+                if hasattr(m, "recompute_hidden"):
+                    m.recompute_hidden = name in chosen
+    return [n for n in able if n in chosen]
+
+
+def active_hidden_recompute(model: nn.Module) -> list[str]:
+    """Units whose every `recompute_hidden` switch is on now (read from the live modules)."""
+    units = recompute_units(model)
+    return [n for n in hidden_units(model)
+            if all(m.recompute_hidden for b in units[n] for m in b.modules() if hasattr(m, "recompute_hidden"))]

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from vtrain import recompute
 from vtrain.config import ModelConfig, RunConfig
 from vtrain.models.checkpointing import apply_spec
 from vtrain.models.dino import DINO
@@ -16,13 +17,16 @@ from vtrain.models.metric import MetricModel
 def build_model(task: str, m: ModelConfig, num_classes: int) -> nn.Module:
     """The task's model from its model config, with activation checkpointing applied."""
     if task == "dino":
-        model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries, m.ffn_recompute)
+        model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries, m.ffn_recompute, m.ffn_chunk)
     else:
         # --head-parallel sharded: the head lives outside the model (engine/head_shard.py)
         classes = 0 if m.head_parallel == "sharded" else num_classes
         model = MetricModel(m.preset, classes, m.image_size, m.embedding_dim, m.neck_norm, m.head, m.margin,
                             m.scale, m.drop_path)
-    apply_spec(model, m.grad_ckpt)  # --grad-ckpt units (vtrain/recompute.py), checked against this model
+    # --grad-ckpt units (vtrain/recompute.py), checked against this model; `auto` is decided by the memory planner
+    # of the training run (engine/autoplan.py), which applies its plan to the built model: nothing here
+    if not recompute.parse(m.grad_ckpt).auto:
+        apply_spec(model, m.grad_ckpt)
     return model
 
 

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import torch
 
+from vtrain import guarded
 from vtrain.config import load_run_config
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine import content
 from vtrain.engine.best import best_checkpoint
 from vtrain.engine.ema import weights_file
 from vtrain.engine.head_shard import full_weight
@@ -44,6 +46,8 @@ class Source:
     """Tied weights: alias name -> name of the tensor it shares storage with."""
     head_shards: Path | None = None
     """A vtrain checkpoint of a `--head-parallel sharded` run: its directory (the head lives in head/, per rank)."""
+    checkpoint: Path | None = None
+    """A vtrain checkpoint: its directory, whose config.yaml and class count say what the output must hold."""
 
 
 def _ds_tag_dir(path: Path) -> Path | None:
@@ -90,12 +94,16 @@ def _detect(path: str | Path, weights: str | None) -> Source:
 def _in_vtrain_checkpoint(p: Path, weights: str | None) -> Source:
     file, used = weights_file(p, weights)
     if used == "ema":  # already whole and fp32 (gathered at save time), buffers and frozen parameters included
-        return Source("state-dict", file, f"vtrain checkpoint {p} (EMA weights {file.name})")
-    src = _plain(p / ckpt.FSDP, p) if (p / ckpt.FSDP).is_dir() else _plain(p / ckpt.ACCELERATE, p)
-    src.description = f"vtrain checkpoint {p} ({src.description})"
+        src = Source("state-dict", file, f"vtrain checkpoint {p} (EMA weights {file.name})")
+    else:
+        src = _plain(p / ckpt.FSDP, p) if (p / ckpt.FSDP).is_dir() else _plain(p / ckpt.ACCELERATE, p)
+        src.description = f"vtrain checkpoint {p} ({src.description})"
+    src.checkpoint = p
     if (p / ckpt.HEAD).is_dir():  # the sharded face head: per-rank class ranges, stitched by head_shard.full_weight
         src.head_shards = p
-        src.description += ", sharded face head"
+        # the head lives outside the averaged model: an EMA output takes its trained rows, and says so
+        src.description += ", sharded face head" + (" (its trained weights: the head keeps no EMA)"
+                                                    if used == "ema" else "")
     return src
 
 
@@ -148,22 +156,32 @@ def _config_path(path: str | Path) -> Path | None:
     return None
 
 
-def _check_model(path: str | Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-    """Rebuild the model from the run's config.yaml on the meta device and check, as load_state_dict(strict=True)
-    does, that names and shapes match exactly (no data needed)."""
-    cfg_path = _config_path(path)
-    if cfg_path is None:
-        raise VtrainError(f"--check-model: no config.yaml next to {path} (only vtrain checkpoints carry one)")
-    with torch.device("meta"):
-        model = model_for_weights(load_run_config(cfg_path), {k: v[0] for k, v in shapes.items()})
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(want) - set(shapes))
-    unexpected = sorted(set(shapes) - set(want))
-    wrong = sorted(k for k in set(want) & set(shapes) if want[k] != shapes[k][0])
-    if missing or unexpected or wrong:
-        detail = "; ".join(f"{label} {len(keys)}: {', '.join(keys[:3])}" for label, keys in
-                           (("missing", missing), ("unexpected", unexpected), ("shape mismatch", wrong)) if keys)
-        raise VtrainError(f"--check-model: the consolidated weights do not fit the model in {cfg_path}: {detail}")
+def _check_complete(src: Source, path: str | Path, found: content.Found, check_model: bool,
+                    backbone_only: bool) -> None:
+    """What was streamed against the model it must be, names and shapes exactly, as load_state_dict(strict=True)
+    would (no data needed): for a vtrain checkpoint always, the whole model its config.yaml and recorded class count
+    describe (head stitched from shards included, every `head.` tensor left out for --backbone-only), so no weight set
+    (model or EMA) is written incomplete; for another source with --check-model, the model of the config.yaml beside
+    it, sized by the weights."""
+    flag = "--check-model" if check_model else "CKPT"
+    cfg_path = src.checkpoint / ckpt.CONFIG if src.checkpoint is not None else None
+    cfg = load_run_config(cfg_path) if cfg_path is not None and cfg_path.is_file() else None
+    classes = content.recorded_classes(src.checkpoint, cfg, flag) if cfg is not None else None
+    if classes is not None:
+        spec = content.model_spec(cfg, classes, whole=True, exact=False)
+        spec = {k: v for k, v in spec.items() if not (backbone_only and k.startswith("head."))}
+    elif check_model:
+        cfg_path = _config_path(path)
+        if cfg_path is None:
+            raise VtrainError(f"--check-model: no config.yaml next to {path} (only vtrain checkpoints carry one)")
+        with torch.device("meta"):
+            model = model_for_weights(load_run_config(cfg_path), {k: v[0] for k, v in found.items()})
+        spec = content.spec_of(model.state_dict(), exact=False)
+    else:
+        return
+    problem = content.compare(found, spec)  # exact=False: the output's dtype is --dtype's
+    if problem:
+        raise VtrainError(f"{flag}: the consolidated weights do not fit the model in {cfg_path}: {problem}")
 
 
 def parse_size(text: str | None) -> int | None:
@@ -192,15 +210,17 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
         raise VtrainError(f"OUT must end in .safetensors or .pt, got {out.name}")
     if out.is_dir():
         raise VtrainError(f"OUT {out} is a directory; give a file name ending in .safetensors or .pt")
-    existing = [f for f in (out, out.parent / f"{out.name}.index.json") if f.exists()]
-    if existing and not overwrite:
-        raise VtrainError(f"OUT {existing[0]} exists; --overwrite replaces it")
+    # never into a checkpoint; an existing OUT, its index or shards of an earlier sharded run only with --overwrite
+    shards = sorted(out.parent.glob(f"{glob.escape(out.stem)}-*-of-*{out.suffix}"))
+    guarded.claim_output([out, out.parent / f"{out.name}.index.json", *shards], overwrite, "OUT",
+                         ckpt.inside_checkpoint)
     enforce_weights_only()  # DeepSpeed's checkpoint files hold its own types (safeio.py)
     if best:
         path = best_checkpoint(path, "CKPT")
     src = detect(path, weights)
     report = Report(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    with guarded.disk_op("create the folder of", out):
+        out.parent.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(out, max_shard_size)
     try:
         kept: dict[str, torch.Tensor] = {}
@@ -219,8 +239,7 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
         for alias, source in src.aliases.items():  # tied weights: a copy (safetensors refuses shared storage)
             writer.add(alias, kept[source])
             src.notes.append(f"tied weight {alias} written as a copy of {source}")
-        if check_model:
-            _check_model(path, writer.shapes)
+        _check_complete(src, path, writer.shapes, check_model, backbone_only)
         if report.offenders and not allow_nonfinite:
             return report
         report.files = writer.commit()
@@ -241,9 +260,7 @@ def _with_head(src: Source, backbone_only: bool) -> Iterator[Item]:
         yield "head.weight", full_weight(src.head_shards), False
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
+_ST_DTYPES = {v: k for k, v in content.DTYPES.items()}
 
 
 class _ShardWriter:
@@ -266,10 +283,15 @@ class _ShardWriter:
                  "size": 0, "tensors": {}}
         self.shards.append(shard)
         if self.safetensors:
-            self._file = open(shard["data"], "wb")
+            shard["data"].unlink(missing_ok=True)  # a stale one of a killed run, or a link: never written through
+            self._file = open(shard["data"], "xb")
         return shard
 
     def add(self, name: str, t: torch.Tensor) -> None:
+        with guarded.disk_op("write", self.out):  # a full disk: one line, and cleanup() removes the temp files
+            self._add(name, t)
+
+    def _add(self, name: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
         shard = self.shards[-1] if self.shards else self._new_shard()
         if self.max and shard["size"] and shard["size"] + nbytes > self.max:
@@ -291,6 +313,10 @@ class _ShardWriter:
         return [self.out.parent / f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
 
     def commit(self) -> list[str]:
+        with guarded.disk_op("write", self.out):
+            return self._commit()
+
+    def _commit(self) -> list[str]:
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -302,10 +328,11 @@ class _ShardWriter:
         finals = self._names()
         tmps = [f.parent / f".{f.name}.tmp" for f in finals]
         for shard, tmp in zip(self.shards, tmps):
+            tmp.unlink(missing_ok=True)  # stale, or a link: the output is always a new file
             if self.safetensors:
                 raw = json.dumps({"__metadata__": {"format": "pt"}, **shard["header"]}, separators=(",", ":")).encode()
                 raw += b" " * (-len(raw) % 8)
-                with open(tmp, "wb") as f, open(shard["data"], "rb") as data:
+                with open(tmp, "xb") as f, open(shard["data"], "rb") as data:
                     f.write(len(raw).to_bytes(8, "little"))
                     f.write(raw)
                     shutil.copyfileobj(data, f, 16 * 2**20)

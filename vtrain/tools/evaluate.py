@@ -3,7 +3,6 @@ them, else model.safetensors), for `vtrain eval` and `vtrain predict`, and `vtra
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,12 +12,14 @@ import yaml
 from safetensors.torch import load_file
 from torch import nn
 
+from vtrain import guarded
 from vtrain.config import DataConfig, RunConfig, load_run_config, replace
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine import content
 from vtrain.engine.ema import weights_file
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict
-from vtrain.tasks import build_task, model_for_weights
+from vtrain.tasks import build_model, build_task
 
 
 @dataclass
@@ -51,11 +52,12 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
                flag: str = "--checkpoint", task_flag: str | None = None,
                weights_choice: str | None = None) -> LoadedModel:
     """The model of a checkpoint (or of a run directory's newest one that verifies), built from its config.yaml
-    and loaded strictly from its model.safetensors; on CUDA when there is a GPU. Shared by `vtrain eval`,
-    `predict` and `export`. The checkpoint is verified against its manifest first: a damaged one is an error
-    naming the file. A `task_name` other than the checkpoint's is an error naming `task_flag` (default
-    `--task NAME`). `weights_choice`: ema, model or None (the EMA weights when the checkpoint has them: they are
-    what the run evaluated)."""
+    and loaded strictly from its model.safetensors; on CUDA when there is a GPU. Shared by `vtrain eval`, `predict`
+    and `export`. The checkpoint is verified against its manifest first (a damaged one is an error naming the
+    file), then its weights against the model (engine/content.py: names, shapes, dtypes, finite values). A
+    `task_name` other than the checkpoint's is an error naming `task_flag` (default `--task NAME`).
+    `weights_choice`: ema, model or None (the EMA weights when the checkpoint has them: they are what the run
+    evaluated)."""
     path = ckpt.find_verified(checkpoint, flag)
     weights, used = weights_file(path, weights_choice)
     if not weights.is_file():
@@ -64,22 +66,29 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     if task_name is not None and task_name != cfg.task:
         raise VtrainError(f"{task_flag or f'--task {task_name}'}: {path} is a {cfg.task} checkpoint")
     saved = yaml.safe_load((path / ckpt.CONFIG).read_text()).get("data") or {}
-    sd = load_file(str(weights))
-    model = model_for_weights(cfg, {k: tuple(v.shape) for k, v in sd.items()})
-    load_strict(model, sd, flag, "weights do not match the model in config.yaml")
+    # the model config.yaml records, with the class count the checkpoint records (content.py), and the weights
+    # checked against it (names, shapes, dtypes, finite values) before they are loaded
+    classes = content.recorded_classes(path, cfg, flag)
+    if classes is None:
+        raise VtrainError(f"{flag}: {path} has no {ckpt.MODEL}")
+    model = build_model(cfg.task, cfg.model, classes)
+    content.expect_tensors(weights, content.spec_of(model.state_dict()), flag,
+                           f"the model of its config.yaml ({content.text(content.describe(cfg, classes))})")
+    load_strict(model, load_file(str(weights)), flag, "weights do not match the model in config.yaml")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
-    cats_file = path / ckpt.CATEGORIES
-    categories = json.loads(cats_file.read_text()) if cats_file.is_file() else None
-    return LoadedModel(path, cfg, saved, model, device, categories, used)
+    return LoadedModel(path, cfg, saved, model, device, ckpt.read_categories(path), used)
 
 
 def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int | None = None,
                         task_name: str | None = None, save_predictions: str | None = None,
-                        weights_choice: str | None = None) -> tuple[Any, dict]:
+                        weights_choice: str | None = None, overwrite: bool = False) -> tuple[Any, dict]:
     """Returns (task, metrics); metrics["weights"] says which weights were evaluated (ema | model). `data` holds
     DataConfig overrides (path, val_path, pairs_file, val_ann, ...); unset values fall back to the data the run was
-    trained on. `weights_choice`: ema, model or None (EMA when present)."""
+    trained on. `weights_choice`: ema, model or None (EMA when present). `save_predictions` is refused when it
+    exists (unless `overwrite`) or lies in a checkpoint, before anything is evaluated."""
+    if save_predictions:
+        guarded.claim_output([Path(save_predictions)], overwrite, "--save-predictions", ckpt.inside_checkpoint)
     loaded = load_model(checkpoint, task_name, weights_choice=weights_choice)
     saved, cfg = loaded.saved_data, loaded.cfg
     given = {k: v for k, v in data.items() if v is not None}

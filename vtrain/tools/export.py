@@ -9,10 +9,17 @@ Exporter: torch.onnx's default since torch 2.9, the torch.export-based ("dynamo"
 package (a pure-Python PyPI dependency, offline once installed). The TorchScript exporter (`dynamo=False`) also
 works offline without it but is deprecated and warns on every call, so it is not used. Opset 18 is the lowest
 this exporter writes (onnxruntime reads it from 1.14 on).
+
+The output (and its `.data` file) is refused when it exists, unless `--overwrite`, and never written into a
+checkpoint (vtrain/guarded.py). It is written, checked and verified in a fresh hidden folder beside it, then renamed
+into place: a failed check leaves nothing behind, and a link at the target is replaced, never written through.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vtrain import guarded
+from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
 from vtrain.tools.evaluate import load_model
 
@@ -53,10 +62,13 @@ class ExportReport:
     """onnxruntime vs PyTorch on a random batch of 3, one the export did not trace (None when not verified)."""
 
 
-def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, verify: bool = True) -> ExportReport:
+def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, verify: bool = True,
+                overwrite: bool = False) -> ExportReport:
     out = Path(out)
     if out.suffix != ".onnx":
         raise VtrainError(f"output {out}: the file name must end in .onnx")
+    data = out.with_name(out.name + ".data")  # the weights of a model of >= 2 GiB (protobuf's limit)
+    guarded.claim_output([out, data], overwrite, "OUT", ckpt.inside_checkpoint)
     loaded = load_model(checkpoint, "metric", torch.device("cpu"), flag="CHECKPOINT",
                         task_flag="vtrain export (--task metric embedding models only)")
     path, cfg, model = loaded.path, loaded.cfg, loaded.model
@@ -70,7 +82,6 @@ def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, ver
     size, dim = cfg.model.image_size, cfg.model.embedding_dim
     params = sum(p.numel() for p in net.parameters())
     external = params * 4 >= PROTOBUF_LIMIT
-    out.parent.mkdir(parents=True, exist_ok=True)
     example = torch.randn(2, 3, size, size)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's own chatter (deprecations inside torch.export)
@@ -87,13 +98,25 @@ def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, ver
             "mean": f"{MEAN},{MEAN},{MEAN}", "std": f"{STD},{STD},{STD}", "output_name": OUTPUT,
             "embedding_dim": str(dim), "embedding_normalized": "false (L2-normalise before cosine similarity)"}
     program.model.metadata_props.update(meta)
-    data = out.with_name(out.name + ".data")
-    data.unlink(missing_ok=True)  # a stale weights file of an earlier export would be appended to
-    program.save(out, external_data=external)  # weights of >= 2 GiB go to <out>.data (protobuf's limit)
-    import onnx
+    # the model and its .data file under their final names in a fresh folder (the model refers to its .data file
+    # by name), checked there, then renamed over the targets
+    work = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with guarded.disk_op("write", out):
+            work.mkdir(parents=True)
+            program.save(work / out.name, external_data=external)
+        import onnx
 
-    onnx.checker.check_model(str(out))
-    diff = _verify(out, net, size) if verify else None
+        onnx.checker.check_model(str(work / out.name))
+        diff = _verify(work / out.name, net, size) if verify else None
+        with guarded.disk_op("write", out):
+            if os.path.lexists(data) and not (work / data.name).exists():
+                data.unlink()  # an earlier export's weights file: this model has none
+            for f in (work / data.name, work / out.name):  # the weights first: the model never points to nothing
+                if f.exists():
+                    os.replace(f, out.parent / f.name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return ExportReport(out, path, size, dim, params, external, diff)
 
 

@@ -1,57 +1,18 @@
-"""What `vtrain estimate-memory` estimates: one training configuration (`Setup`), from a `vtrain train` config
-file and the command's flags, validated here (the CLI boundary)."""
+"""What `vtrain estimate-memory` estimates: one training configuration (`Setup`, memory/setup.py), from a `vtrain
+train` config file and the command's flags, validated here (the CLI boundary)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from vtrain import recompute
-from vtrain.config import build_config, read_yaml
+from vtrain.config import ModelConfig, build_config, read_yaml
 from vtrain.ds_json import bucket_sizes, explicit_16bit, read_json, zero_settings
 from vtrain.engine.plan import resolve_precision
 from vtrain.errors import VtrainError
+from vtrain.memory.setup import Setup, run_setup
 from vtrain.presets import presets_for
 from vtrain.tasks.dino import test_sizes
-
-VTRAIN_DS_BUCKET = 5e7  # the bucket size of vtrain's ds_configs/*.json
-
-
-@dataclass
-class Setup:
-    """What to estimate: one training configuration."""
-
-    task: str = "dino"
-    preset: str = "swin-l"
-    batch_size: int = 2
-    image_size: tuple[int, int] = (800, 1333)
-    precision: str = "bf16"  # no | bf16 | fp16
-    grad_ckpt: tuple[str, ...] = ()  # --grad-ckpt items (vtrain/recompute.py), e.g. ("backbone", "encoder:0-2")
-    ffn_recompute: bool = True  # DINO encoder FFNs remake their hidden layer in backward (ModelConfig.ffn_recompute)
-    zero: int = 0  # 0 = DDP, 1-3 = ZeRO stage
-    fsdp: bool = False
-    offload: str = "none"  # none | optimizer | all
-    gpus: int = 1
-    num_classes: int = 80
-    num_targets: int = 10  # boxes per image (DINO: sets the denoising query count)
-    ds_buckets: tuple[float, float] = (VTRAIN_DS_BUCKET, VTRAIN_DS_BUCKET)  # reduce, allgather (elements)
-    overlap_comm: bool = True
-    ds_16bit: bool = False  # a DeepSpeed JSON with bf16/fp16 enabled (16-bit params); else torch_autocast / fp32
-    autocast_policy: str = "cuda"  # cuda | cpu (the CPU tests compare against real CPU runs)
-    # DINO's deformable attention: auto = the implementation a run on the target device uses, i.e. the fused
-    # Triton op for the cuda policy (traced through its fake kernel and what its autograd saves) and the
-    # PyTorch path for cpu; or triton | pytorch
-    msda_impl: str = "auto"
-
-    def resolved_msda_impl(self) -> str:
-        if self.msda_impl != "auto":
-            return self.msda_impl
-        return "triton" if self.autocast_policy == "cuda" else "pytorch"
-
-    def label(self) -> str:
-        gc = "+".join(self.grad_ckpt) if self.grad_ckpt else "none"
-        eng = "FSDP" if self.fsdp else (f"ZeRO-{self.zero}" if self.zero else "DDP")
-        return f"{eng}, offload {self.offload}, GC {gc}"
 
 
 def _ds_fields(path: str) -> dict[str, Any]:
@@ -78,21 +39,19 @@ def parse_image_size(text: str, task: str) -> tuple[int, int]:
 
 
 def setup_from(*, model=None, task=None, batch_size=None, image_size=None, precision=None, grad_ckpt=None,
-               zero=None, fsdp=None, offload=None, gpus=1, num_classes=None, config=None, ds_config=None) -> Setup:
-    """A Setup from `vtrain train`'s config file (if any), then explicit flags; validated here (CLI boundary)."""
+               zero=None, fsdp=None, offload=None, gpus=1, num_classes=None, config=None, ds_config=None,
+               head_parallel=None, sample_rate=None, memory_budget=None) -> Setup:
+    """A Setup from `vtrain train`'s config file (if any), then explicit flags; validated here (CLI boundary).
+    `memory_budget` (GiB; or the config's `model.memory_budget` with `grad_ckpt: [auto]`) asks for a recompute
+    plan: the Setup's own checkpointing is then empty and the planner fills it."""
     s = Setup()
+    auto = False
     if config is not None:
         cfg = build_config(None, read_yaml(config))
-        s.task, s.preset, s.batch_size = cfg.task, cfg.model.preset, cfg.train.batch_size
-        size = cfg.model.image_size
-        s.image_size = test_sizes(size, cfg.data.max_size) if cfg.task == "dino" else (size, size)
-        s.precision = resolve_precision(cfg.parallel.mixed_precision)
-        s.grad_ckpt = tuple(cfg.model.grad_ckpt)
-        s.ffn_recompute = cfg.model.ffn_recompute
-        s.fsdp = cfg.parallel.fsdp
+        s = run_setup(cfg, resolve_precision(cfg.parallel.mixed_precision), fsdp=cfg.parallel.fsdp)
+        auto = recompute.parse(cfg.model.grad_ckpt).auto
+        memory_budget = memory_budget if memory_budget is not None else cfg.model.memory_budget
         ds_config = ds_config or cfg.parallel.ds_config
-        if cfg.task == "metric":
-            s.num_classes = 10_000
     elif task == "metric":
         s.task, s.preset, s.image_size, s.batch_size, s.num_classes = "metric", "vit-b", (112, 112), 128, 10_000
     if task is not None and task != s.task:
@@ -118,9 +77,18 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         recompute.check_parts(spec, s.task)
     except recompute.SpecError as e:
         raise VtrainError(f"--grad-ckpt: {e}; forms: {recompute.FORMS}") from None
-    if spec.auto:
-        raise VtrainError("--grad-ckpt auto: the memory planner is not in this version; name the units")
-    s.grad_ckpt = tuple(spec.canonical())
+    auto = spec.auto or (auto and grad_ckpt is None)
+    s.grad_ckpt = () if spec.auto else tuple(spec.canonical())
+    if memory_budget is not None:
+        if not 0 < memory_budget < float("inf"):
+            raise VtrainError(f"--memory-budget: must be a positive number of GiB, got {memory_budget}")
+        if s.grad_ckpt:
+            raise VtrainError(f"--memory-budget: plans the checkpointing itself; leave out --grad-ckpt "
+                              f"{','.join(s.grad_ckpt)} (or give --grad-ckpt auto)")
+        s.memory_budget = float(memory_budget)
+    elif auto:
+        raise VtrainError("--grad-ckpt auto: estimate-memory needs --memory-budget GIB (a training run on a GPU "
+                          "takes the device's memory; here there is no device to read)")
     if zero is not None:
         if zero not in (0, 1, 2, 3):
             raise VtrainError("--zero: choose 0, 1, 2 or 3")
@@ -144,5 +112,18 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         if num_classes < 1:
             raise VtrainError("--num-classes: must be >= 1")
         s.num_classes = num_classes
+    if head_parallel is not None:
+        if head_parallel not in ("none", "sharded"):
+            raise VtrainError("--head-parallel: choose none or sharded")
+        s.head_parallel = head_parallel
+    if sample_rate is not None:
+        if not 0 < sample_rate <= 1:
+            raise VtrainError(f"--sample-rate: must be in (0, 1], got {sample_rate}")
+        s.sample_rate = sample_rate
+    if s.head_parallel == "sharded" and s.task != "metric":
+        raise VtrainError("--head-parallel sharded: the sharded head is the face (metric) head; add --task metric")
+    if s.sample_rate < 1 and s.head_parallel != "sharded":
+        raise VtrainError(f"--sample-rate {s.sample_rate}: negative sampling needs --head-parallel sharded")
+    if s.head_parallel == "sharded" and s.num_classes < s.gpus:
+        raise VtrainError(f"--head-parallel sharded: {s.num_classes} identities cannot be split over {s.gpus} GPUs")
     return s
-

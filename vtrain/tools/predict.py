@@ -8,14 +8,15 @@ in batches, with a progress bar.
 - metric: one safetensors file with `embeddings` (N, D): evaluation's flip-averaged, L2-normalised embeddings
   (`flip_embeddings`); the input names are in its metadata (`files`, a JSON list, row order).
 
-An unreadable image stops the run with one error line naming it, rather than leaving a silent hole.
+An unreadable image stops the run with one error line naming it, rather than leaving a silent hole. Every file
+written is checked first (vtrain/guarded.py): never into a checkpoint, an existing one only with `--overwrite`, and
+each is written beside its name and renamed over it (a link there is replaced, never written through).
 """
 
 from __future__ import annotations
 
 import glob
 import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,11 +32,13 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.io import write_jpeg
 from torchvision.utils import draw_bounding_boxes
 
+from vtrain import guarded
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING
 from vtrain.data.coco import collate, load_coco, normalize, test_transforms
 from vtrain.data.faces import load_image
 from vtrain.data.images import decode_rgb
 from vtrain.data.workers import worker_context
+from vtrain.engine import checkpoint as ckpt
 from vtrain.engine.logging import console
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_detections
@@ -168,7 +171,7 @@ def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: st
 # ---- detection ------------------------------------------------------------------------------------------------
 def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path, score_threshold: float = 0.3,
                       batch_size: int | None = None, ann: str | None = None, num_workers: int = 2,
-                      max_pixels: int | None = None) -> PredictReport:
+                      max_pixels: int | None = None, overwrite: bool = False) -> PredictReport:
     """Draw and write the detections of every input image (see the module docstring). `ann`: a COCO annotation
     file whose `file_name`s give the image ids (and the class names if the checkpoint has none); otherwise the
     ids are 1..N in input order."""
@@ -182,6 +185,7 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
     if len(set(outputs)) != len(outputs):
         dup = next(o for o in outputs if outputs.count(o) > 1)
         raise VtrainError(f"--images: two inputs would both be written to {dup}; give them separately")
+    guarded.claim_output([*outputs, out / "predictions.json"], overwrite, "--out", ckpt.inside_checkpoint)
     coco = load_coco(ann) if ann else None
     image_ids = _image_ids(names, coco, ann) if coco is not None else list(range(1, len(names) + 1))
 
@@ -211,9 +215,8 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
                 kept += len(scores)
                 for d in coco_detections(image_ids[i], boxes.numpy(), scores.numpy(), labels.numpy(), cat_ids):
                     dets.append({**d, "file_name": names[i]})
-                outputs[i].parent.mkdir(parents=True, exist_ok=True)
-                write_jpeg(draw(original, boxes, scores, labels, [c["name"] for c in categories]), str(outputs[i]),
-                           quality=95)
+                drawn = draw(original, boxes, scores, labels, [c["name"] for c in categories])
+                guarded.replace_file(outputs[i], lambda tmp, img=drawn: write_jpeg(img, str(tmp), quality=95))
     write_json_atomic(out / "predictions.json", dets)
     return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device))
 
@@ -265,10 +268,11 @@ def _image_ids(names: list[str], coco, ann: str) -> list[int]:
 
 # ---- metric ---------------------------------------------------------------------------------------------------
 def predict_embeddings(checkpoint: str | Path, inputs: list[str], out: str | Path, batch_size: int | None = None,
-                       num_workers: int = 2, max_pixels: int | None = None) -> PredictReport:
+                       num_workers: int = 2, max_pixels: int | None = None, overwrite: bool = False) -> PredictReport:
     """Evaluation's embeddings of every input image, written to one safetensors file (see the module docstring)."""
     out = Path(out)
     _output(out, is_dir=False)
+    guarded.claim_output([out], overwrite, "--out", ckpt.inside_checkpoint)
     found = find_images(inputs)
     loaded = load_model(checkpoint, "metric")
     model, device, size = loaded.model, loaded.device, loaded.cfg.model.image_size
@@ -278,12 +282,9 @@ def predict_embeddings(checkpoint: str | Path, inputs: list[str], out: str | Pat
     with torch.no_grad():
         for batch in _batches(loader, _progress(len(found), "embed")):
             chunks.append(flip_embeddings(lambda **x: model(**x), batch["images"].to(device)).cpu())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file({"embeddings": torch.cat(chunks).contiguous()}, str(tmp),
-              metadata={"files": json.dumps([n for _, n in found]), "checkpoint": str(loaded.path),
-                        "image_size": str(size)})
-    os.replace(tmp, out)
+    embeddings = {"embeddings": torch.cat(chunks).contiguous()}
+    meta = {"files": json.dumps([n for _, n in found]), "checkpoint": str(loaded.path), "image_size": str(size)}
+    guarded.replace_file(out, lambda tmp: save_file(embeddings, str(tmp), metadata=meta))
     return PredictReport("metric", len(found), [out], device=str(device))
 
 

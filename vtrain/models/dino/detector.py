@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import timm
+from timm.models.swin_transformer import SwinTransformer
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,8 +22,9 @@ from vtrain.models.checkpointing import apply_spec, backbone_units
 from vtrain.models.lean import autocast_input, lean_norm
 from vtrain.models.dino.criterion import dino_loss
 from vtrain.models.dino.denoising import build_denoising
-from vtrain.models.dino.transformer import MLP, Decoder, Encoder, inverse_sigmoid, sine_position_2d
+from vtrain.models.dino.transformer import MLP, Decoder, Encoder, LevelPositions, inverse_sigmoid
 from vtrain.models.swin_attention import use_shared_bias_attention
+from vtrain.models.swin_lean import swin_features, use_lean_swin
 from vtrain.presets import DINO_PRESETS, DinoPreset
 
 
@@ -39,6 +41,10 @@ class Backbone(nn.Module):
         self.body = timm.create_model(p.timm_name, pretrained=False, num_classes=0, **kwargs)
         # Swin: no per-image/window/head N x N tensors at detection sizes (swin_attention.py)
         use_shared_bias_attention(self.body)
+        # Swin read out stage by stage, one kept copy of each taken stage output (swin_lean.py)
+        self.swin = isinstance(self.body, SwinTransformer) and p.out_norm
+        if self.swin:
+            use_lean_swin(self.body)
         self.indices = list(p.out_indices)
         self.body.prune_intermediate_layers(self.indices, prune_norm=True, prune_head=True)
         self.channels = [self.body.feature_info[i]["num_chs"] for i in self.indices]
@@ -52,6 +58,8 @@ class Backbone(nn.Module):
                     param.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.swin:
+            return swin_features(self.body, x, self.indices, self.out_norms)
         feats = self.body.forward_intermediates(x, indices=self.indices, intermediates_only=True)
         if self.out_norms is not None:
             feats = [lean_norm(n, f.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) for n, f in zip(self.out_norms, feats)]
@@ -86,7 +94,8 @@ class ChannelMapper(nn.Module):
 
 class DINO(nn.Module):
     def __init__(self, preset: str | DinoPreset, num_classes: int, drop_path: float | None = None,
-                 num_queries: int | None = None, dn_queries: int | None = None, ffn_recompute: bool = True) -> None:
+                 num_queries: int | None = None, dn_queries: int | None = None, ffn_recompute: bool = True,
+                 ffn_chunk: int = 0) -> None:
         super().__init__()
         p = DINO_PRESETS[preset]() if isinstance(preset, str) else preset
         self.preset = p
@@ -98,8 +107,8 @@ class DINO(nn.Module):
         self.neck = ChannelMapper(self.backbone.channels, d, p.levels)
         self.level_embed = nn.Parameter(torch.empty(p.levels, d))
         self.encoder = Encoder(p.enc_layers, d, p.ffn, p.levels, p.heads, p.points)
-        for layer in self.encoder.layers:  # ModelConfig.ffn_recompute: the encoder FFN's hidden layer
-            layer.ffn.recompute_hidden = ffn_recompute
+        for layer in self.encoder.layers:  # ModelConfig.ffn_recompute/ffn_chunk: the encoder FFN's hidden layer
+            layer.ffn.recompute_hidden, layer.ffn.chunk = ffn_recompute, ffn_chunk
         self.decoder = Decoder(p.dec_layers, d, p.ffn, p.levels, p.heads, p.points)
         # two-stage: proposals from the encoder memory
         self.memory_proj = nn.Linear(d, d)
@@ -137,20 +146,20 @@ class DINO(nn.Module):
 
     # ---- forward pieces ----------------------------------------------------------------------------------------
     def _flatten(self, feats: list[torch.Tensor], mask: torch.Tensor):
-        srcs, masks, poss, shapes, ratios = [], [], [], [], []
-        for lvl, f in enumerate(feats):
+        srcs, masks, level_masks, shapes, ratios = [], [], [], [], []
+        for f in feats:
             b, _, h, w = f.shape
             m = F.interpolate(mask[None].float(), size=(h, w))[0].bool()
-            pos = sine_position_2d(m, f.shape[1] // 2).to(f.dtype)
+            level_masks.append(m)
             shapes.append((h, w))
             valid_h = (~m[:, :, 0]).sum(1).float() / h
             valid_w = (~m[:, 0, :]).sum(1).float() / w
             ratios.append(torch.stack([valid_w, valid_h], -1))
             srcs.append(f.flatten(2).transpose(1, 2))
             masks.append(m.flatten(1))
-            poss.append(pos.flatten(2).transpose(1, 2) + self.level_embed[lvl].to(f.dtype))
-        return (torch.cat(srcs, 1), torch.cat(masks, 1), torch.cat(poss, 1), shapes,
-                torch.stack(ratios, 1).clamp(min=1e-3))
+        # positions are made by each encoder layer (transformer.LevelPositions), not kept
+        pos = LevelPositions(level_masks, self.level_embed, feats[0].dtype)
+        return (torch.cat(srcs, 1), torch.cat(masks, 1), pos, shapes, torch.stack(ratios, 1).clamp(min=1e-3))
 
     @staticmethod
     def _proposals(memory: torch.Tensor, mask: torch.Tensor, shapes: list[tuple[int, int]]):

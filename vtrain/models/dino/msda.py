@@ -21,16 +21,17 @@ output may be bf16.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vtrain.dist import all_true as _all_true  # module-level name: tests/test_msda.py stands in for the ranks' verdict
-from vtrain.models.lean import autocast_input, remat
+from vtrain.models.lean import autocast_input, remat, remat_in_checkpoint
 
 IMPLS = ("auto", "triton", "pytorch")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -261,6 +262,20 @@ _op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---- the module ------------------------------------------------------------------------------------------------
+HEAD_CHUNK = 4  # heads sampled per call of the op (MSDeformAttn.forward)
+
+
+def _sample(value: Tensor, spatial_shapes: list[tuple[int, int]], loc: Tensor, weights: Tensor) -> Tensor:
+    return ms_deform_attn(value, spatial_shapes, loc, weights)
+
+
+def _query_copy(query: Tensor, query_pos: Tensor | Callable[[], Tensor] | None) -> Tensor:
+    """The query (plus its positions) as both projections take it: one 16-bit copy for the two (lean.py)."""
+    if query_pos is not None:
+        query = query + (query_pos() if callable(query_pos) else query_pos)
+    return autocast_input(query)
+
+
 class MSDeformAttn(nn.Module):
     """Sampling offsets and weights predicted from the query; values projected from the flattened memory.
 
@@ -300,29 +315,46 @@ class MSDeformAttn(nn.Module):
         nn.init.constant_(self.output_proj.bias, 0.0)
 
     def forward(self, query: Tensor, reference_points: Tensor, value: Tensor, spatial_shapes: list[tuple[int, int]],
-                padding_mask: Tensor | None = None) -> Tensor:
+                padding_mask: Tensor | None = None, query_pos: Tensor | Callable[[], Tensor] | None = None) -> Tensor:
+        """`query_pos` is added to the query for the offsets and weights: a tensor, or a function that makes it (the
+        encoder's positions, made where needed instead of kept)."""
         b, q, _ = query.shape
         s = value.shape[1]
-        v = self.value_proj(value)
+        # inside a checkpointed layer, whose recomputation keeps the layer's input anyway, the 16-bit copies the
+        # projections keep for their weight gradients are made again from it (lean.py)
+        v = remat_in_checkpoint(self.value_proj, (autocast_input, (value,)))
         if padding_mask is not None:
             v = v.masked_fill(padding_mask[..., None], 0.0)
-        v = v.view(b, s, self.heads, self.dim // self.heads)
-        query = autocast_input(query)  # one 16-bit copy for both projections below (lean.py)
-        offsets = self.sampling_offsets(query).view(b, q, self.heads, self.levels, self.points, 2)
-        logits = self.attention_weights(query).view(b, q, self.heads, self.levels * self.points)
+        # the sampling runs HEAD_CHUNK heads at a time: heads sample their own channels only, so each output and
+        # gradient element is computed as before, and its fp32 locations, weights and their gradients exist a chunk
+        # at a time (inside a checkpointed encoder layer they were the peak of its backward). Not where the
+        # reference points take a gradient (DINO's never do): theirs would sum the heads in two parts.
+        chunk = self.heads if reference_points.requires_grad else HEAD_CHUNK
+        v = v.view(b, s, self.heads, self.dim // self.heads).split(chunk, 2)
+        v = [part.contiguous() for part in v] if len(v) > 1 else v
+        offsets, logits = remat_in_checkpoint(self._project, (_query_copy, (query, query_pos)))
         ref = reference_points.float()
         if ref.shape[-1] not in (2, 4):
             raise ValueError(f"reference_points must end in 2 or 4 values, got {tuple(ref.shape)}")
         # the op keeps the fp32 locations and weights for backward; they are made again there from the 16-bit
         # offsets and logits (half the bytes), the same ops on the same tensors (lean.py)
-        out = remat(lambda loc, weights: ms_deform_attn(v, spatial_shapes, loc, weights),
-                    (self._locations, (ref, offsets, spatial_shapes)), (self._weights, (logits,)))
+        outs = [remat(functools.partial(_sample, vh, spatial_shapes), (self._locations, (ref, off, spatial_shapes)),
+                      (self._weights, (lg,)))
+                for vh, off, lg in zip(v, offsets.split(chunk, 2), logits.split(chunk, 2))]
+        del v
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+        del outs
         # out is in v's dtype, which is what output_proj computes in (autocast's dtype, or its own weights')
         return self.output_proj(out)
 
+    def _project(self, query: Tensor) -> tuple[Tensor, Tensor]:
+        b, q = query.shape[:2]
+        return (self.sampling_offsets(query).view(b, q, self.heads, self.levels, self.points, 2),
+                self.attention_weights(query).view(b, q, self.heads, self.levels * self.points))
+
     def _weights(self, logits: Tensor) -> Tensor:
         b, q = logits.shape[:2]
-        return logits.float().softmax(-1).view(b, q, self.heads, self.levels, self.points)
+        return logits.float().softmax(-1).view(b, q, logits.shape[2], self.levels, self.points)
 
     def _locations(self, ref: Tensor, offsets: Tensor, spatial_shapes: list[tuple[int, int]]) -> Tensor:
         # fp32 reference points promote the (possibly bf16) offsets: the locations are fp32 without a copy

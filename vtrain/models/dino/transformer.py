@@ -16,7 +16,8 @@ from torch import nn
 
 from vtrain.models.checkpointing import recompute_mode, set_recompute
 from vtrain.models.dino.msda import MSDeformAttn
-from vtrain.models.lean import autocast_input, relu_single_use, remat
+from vtrain.models.chunked_mlp import residual_mlp
+from vtrain.models.lean import autocast_input, relu_single_use, remat_in_checkpoint
 
 
 def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
@@ -55,6 +56,23 @@ def sine_position_boxes(boxes: torch.Tensor, num_feats: int) -> torch.Tensor:
     return torch.cat(parts, -1)
 
 
+class LevelPositions:
+    """The encoder's position embedding, (B, S, D): each level's sine positions over its valid region plus that
+    level's learned embedding, made by each layer that uses it instead of once. Made once, the fp32 tensor would be
+    held by every checkpointed encoder layer until its backward, and its gradient, summed over the six layers before
+    reaching the level embedding, would be one more such tensor during the encoder's backward. Each layer's gradient
+    now reaches the embedding on its own: the same terms, summed over layers and tokens in another order (fp32
+    reordering only, docs/recompute.md §3)."""
+
+    def __init__(self, masks: list[torch.Tensor], level_embed: torch.Tensor, dtype: torch.dtype) -> None:
+        self.masks, self.level_embed, self.dtype = masks, level_embed, dtype
+
+    def __call__(self) -> torch.Tensor:
+        feats = self.level_embed.shape[1] // 2
+        return torch.cat([sine_position_2d(m, feats).to(self.dtype).flatten(2).transpose(1, 2)
+                          + self.level_embed[lvl].to(self.dtype) for lvl, m in enumerate(self.masks)], 1)
+
+
 class MLP(nn.Module):
     def __init__(self, in_dim: int, hidden: int, out_dim: int, layers: int) -> None:
         super().__init__()
@@ -70,23 +88,24 @@ class MLP(nn.Module):
 
 
 class FFN(nn.Module):
-    """Post-norm FFN. With `recompute_hidden` (the encoder's: 2048 wide over every token of every level) backward
-    makes the ReLU output again from the 16-bit input instead of keeping it, 8x the input's bytes, at the cost of
-    one more fc1 matmul (lean.py; the same ops on the same tensors, so the same values)."""
+    """Post-norm FFN. With `recompute_hidden` (the encoder's: 2048 wide over every token of every level) it keeps
+    only its 16-bit input for backward and makes the ReLU output again there, `chunk` tokens at a time
+    (models/chunked_mlp.py; chunk 0: all tokens at once, the same values as the plain FFN)."""
 
-    def __init__(self, dim: int, hidden: int, recompute_hidden: bool = False) -> None:
+    def __init__(self, dim: int, hidden: int, recompute_hidden: bool = False, chunk: int = 0) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
         self.norm = nn.LayerNorm(dim)
-        self.recompute_hidden = recompute_hidden
+        self.recompute_hidden, self.chunk = recompute_hidden, chunk
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute_hidden:
-            return self.norm(x + remat(self.fc2, (self._hidden, (autocast_input(x),))))
-        return self.norm(x + self.fc2(self._hidden(x)))
+        return self.norm(self.residual(x))
 
-    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return relu_single_use(self.fc1(x))
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        """x + fc2(relu(fc1(x))): the FFN before its norm."""
+        if self.recompute_hidden:
+            return residual_mlp(x, self.fc1, self.fc2, self.chunk)
+        return x + self.fc2(relu_single_use(self.fc1(x)))
 
 
 class EncoderBlock(nn.Module):
@@ -98,10 +117,18 @@ class EncoderBlock(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.ffn = FFN(dim, ffn, recompute_hidden=True)
 
-    def forward(self, src: torch.Tensor, pos: torch.Tensor, reference_points: torch.Tensor,
+    def forward(self, src: torch.Tensor, pos: LevelPositions, reference_points: torch.Tensor,
                 spatial_shapes: list[tuple[int, int]], padding_mask: torch.Tensor) -> torch.Tensor:
-        src = self.norm(src + self.attn(src + pos, reference_points, src, spatial_shapes, padding_mask))
-        return self.ffn(src)
+        attn = self.attn(src, reference_points, src, spatial_shapes, padding_mask, query_pos=pos)
+        # inside a checkpointed layer the norm's fp32 input is made again from the layer's input and the 16-bit
+        # attention output (lean.py)
+        x = remat_in_checkpoint(self.norm, (torch.add, (src, attn)))
+        del attn
+        # the FFN's two steps here rather than through its module call, whose arguments would hold x (fp32, the
+        # size of the layer's output) while its norm makes the output: x goes as soon as the residual sum exists
+        s = self.ffn.residual(x)
+        del x
+        return self.ffn.norm(s)
 
 
 class DecoderBlock(nn.Module):

@@ -2,8 +2,9 @@
 below are sections of that page).
 
 One real forward + backward of the actual vtrain model, at the requested batch and resolution, under
-FakeTensorMode (no memory, no GPU), recording every storage the step creates and frees (`LiveBytes`); the peak
-of live activations and temporaries, gradients excluded (they are counted with the model states, memory.py). The
+FakeTensorMode (no memory, no GPU), recording every storage the step creates and frees, and which module made it
+(`LiveBytes`, tracker.py); the peak of live activations and temporaries, gradients excluded (they are counted with
+the model states, sizing.py). A sharded face head is traced beside the model as one rank runs it (head.py). The
 model is built on `meta` and materialised with `to_empty` inside fake mode (timm's __init__ reads values, §1.3).
 CPU autocast keeps layer_norm/group_norm/softmax in bf16 where CUDA autocast runs them in fp32 (§1.3);
 `cuda_autocast_policy` applies CUDA's fp32 list on top of CPU autocast so the trace matches a GPU run, and SDPA with a
@@ -19,22 +20,23 @@ the CPU allocator.
 from __future__ import annotations
 
 import contextlib
-import weakref
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from vtrain.config import ModelConfig
 from vtrain.data.coco import PAD_DIVISOR
+from vtrain.memory.head import head_loss, sharded_head, upper_bound_shapes
+from vtrain.memory.setup import Setup
+from vtrain.memory.tracker import FORWARD, RECOMPUTE, LiveBytes, Recording, Row
+from vtrain.models.checkpointing import recompute_units, set_hidden_recompute
 from vtrain.models.dino.msda import auto_impl
 from vtrain.tasks.model import build_model as build_task_model
-from vtrain.tools.memory_setup import Setup
 
 # CUDA autocast's fp32 list, for the functions these models call (torch.amp "CUDA Ops that can autocast to
 # float32"); CPU autocast leaves them in bf16 (docs/memory_ckpt.md §1.3).
@@ -109,82 +111,116 @@ def step_inputs(setup: Setup, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def build_model(setup: Setup) -> nn.Module:
-    """The task's real model (tasks.build_model), default head settings, the Setup's checkpointing."""
+    """The task's real model (tasks.build_model) with the Setup's checkpointing and hidden-layer choice; the face
+    model without its head when the head is sharded (memory/head.py traces that head beside it)."""
     size = setup.image_size[0] if setup.task == "metric" else ModelConfig.image_size  # DINO takes any size
     m = ModelConfig(preset=setup.preset, image_size=size, grad_ckpt=list(setup.grad_ckpt),
-                    ffn_recompute=setup.ffn_recompute)
-    return build_task_model(setup.task, m, setup.num_classes)
+                    ffn_recompute=setup.ffn_recompute, ffn_chunk=setup.ffn_chunk,
+                    embedding_dim=setup.embedding_dim, head_parallel=setup.head_parallel,
+                    sample_rate=setup.sample_rate)
+    model = build_task_model(setup.task, m, setup.num_classes)
+    if setup.ffn_units is not None:
+        set_hidden_recompute(model, setup.ffn_units)
+    return model
 
 
-class LiveBytes(TorchDispatchMode):
-    """Every storage an op creates, with its size, and when it dies: O(1) per op (torch's MemTracker rescans all
-    live storages on every op, which takes minutes for Swin-L DINO). Sizes are rounded up to 512 bytes like the
-    CUDA caching allocator. Storages that existed before (parameters, buffers, inputs) are not counted."""
-
-    def __init__(self, existing: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.events: list[tuple[int, int]] = []  # (key, +bytes) on creation, (key, -bytes) on release
-        self.keys = WeakIdKeyDictionary()
-        self.next_key = 0
-        # views of what already exists (`weight.t()` in every fp32 linear) are not new memory
-        for t in existing:
-            self.keys[t.untyped_storage()] = -1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st not in self.keys:
-                    key, n = self.next_key, -(-st.nbytes() // 512) * 512
-                    self.next_key += 1
-                    self.keys[st] = key
-                    self.events.append((key, n))
-                    weakref.finalize(st, self.events.append, (key, -n))
-        return out
-
-    def key_of(self, t: torch.Tensor) -> int | None:
-        return self.keys.get(t.untyped_storage())
-
-    def peak(self, exclude: set[int]) -> int:
-        live = peak = 0
-        for key, n in self.events:
-            if key not in exclude and key >= 0:
-                live += n
-                peak = max(peak, live)
-        return peak
+@contextlib.contextmanager
+def one_process():
+    """The traced step is one rank's step computed alone (a training run plans on rank 0 while the others wait):
+    inside, torch.distributed reports no process group, so the model's collectives (DINO's box-count mean, the
+    sharded head's gathers, which head.py emulates) are not called. They would wait for ranks that are not
+    tracing, and fake tensors carry no data to send."""
+    saved = dist.is_initialized
+    dist.is_initialized = lambda: False
+    try:
+        yield
+    finally:
+        dist.is_initialized = saved
 
 
-def trace_step(setup: Setup, fake: bool = True) -> dict[str, int]:
-    """One forward + backward of the real model under fake tensors. Returns the peak bytes of everything the
-    step creates except gradients (`Activation`: saved activations and temporaries together) and the peak of
-    everything the step creates (`Peak`, gradients included). fake=False runs real CPU tensors."""
+@dataclass
+class StepTrace:
+    """One traced training step. `activation`: peak bytes of everything the step creates except gradients
+    (saved activations and temporaries together), the estimator's activation figure; `peak`: gradients included;
+    `grads`: the gradient storages (left out of `activation`, counted with the model states); `recording`: what
+    happened, for the breakdown and the planner; `units`: the model's recompute units in forward order."""
+
+    activation: int
+    peak: int
+    grads: set[int]
+    recording: Recording
+    units: list[str]
+
+    def breakdown(self) -> list[Row]:
+        """Activation bytes at the peak by (module, phase), largest first; they sum to `activation`."""
+        return self.recording.breakdown(self.grads)
+
+    @property
+    def forward_flops(self) -> int:
+        return self.recording.flops_by(FORWARD)
+
+    @property
+    def recompute_flops(self) -> int:
+        """FLOPs run again in backward: checkpointed units and the tensors models/lean.py remakes."""
+        return self.recording.flops_by(RECOMPUTE)
+
+
+def trace(setup: Setup, fake: bool = True) -> StepTrace:
+    """One forward + backward of the real model under fake tensors (fake=False: real CPU tensors), recorded by
+    `LiveBytes`: every storage, the module that made it, the FLOPs. The process's random state is left as it
+    was (a training run plans on rank 0 only, and its own random stream must not depend on that)."""
+    with torch.random.fork_rng(devices=[]):
+        return _trace(setup, fake)
+
+
+def _trace(setup: Setup, fake: bool) -> StepTrace:
     torch.manual_seed(0)
     if fake:
         with torch.device("meta"):
             model = build_model(setup)
+            head = sharded_head(setup)
     else:
-        model = build_model(setup)
+        model, head = build_model(setup), sharded_head(setup)
+    units = recompute_units(model)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     policy = cuda_autocast_policy() if setup.autocast_policy == "cuda" else contextlib.nullcontext()
     kernel = auto_impl(setup.resolved_msda_impl())
     amp = (torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[setup.precision])
            if setup.precision != "no" else contextlib.nullcontext())
+    shapes = upper_bound_shapes() if head is not None and fake else contextlib.nullcontext()
     torch.manual_seed(0)
-    with mode:
+    with mode, one_process():
         if fake:
             model.to_empty(device="cpu")
+            if head is not None:
+                head.to_empty(device="cpu")
         model.train()
         inputs = step_inputs(setup, torch.device("cpu"))
-        tracker = LiveBytes([*model.parameters(), *model.buffers(),
-                             *(t for t in inputs.values() if isinstance(t, torch.Tensor))])
+        existing = [*model.parameters(), *model.buffers(), *(t for t in inputs.values() if isinstance(t, torch.Tensor))]
+        if head is not None:
+            existing += [*head.parameters(), *head.buffers()]
+        tracker = LiveBytes(existing, model, units, {"head": head} if head is not None else None)
         # the policy and the kernel choice stay on in backward: checkpointed blocks recompute under them
-        with tracker, policy, kernel:
+        with tracker, policy, kernel, shapes:
             with amp:
                 out = model(**inputs)
-            out["loss"].float().backward()
-        grads = {tracker.key_of(p.grad) for p in model.parameters() if p.grad is not None} - {None}
-    return {"Activation": tracker.peak(grads), "Peak": tracker.peak(set())}
+                if head is not None:
+                    out = head_loss(head, out["embedding"], inputs["labels"], setup.gpus)
+                # before autocast's exit empties its cache of 16-bit weight copies (those no backward keeps)
+                tracker.forward_end = len(tracker.events)
+            loss = out["loss"].float()
+            tracker.backward = True
+            loss.backward()
+        params = [*model.parameters(), *(head.parameters() if head is not None else ())]
+        grads = {tracker.key_of(p.grad) for p in params if p.grad is not None} - {None}
+    rec = tracker.recording()
+    return StepTrace(rec.live_curve(grads)[0], rec.live_curve(set())[0], grads, rec, list(units))
+
+
+def trace_step(setup: Setup, fake: bool = True) -> dict[str, int]:
+    """The two peaks of `trace`: `Activation` (gradients excluded) and `Peak` (everything the step creates)."""
+    t = trace(setup, fake)
+    return {"Activation": t.activation, "Peak": t.peak}
 
 
 def profiled_peak(step) -> int:
