@@ -44,8 +44,8 @@ from vtrain.errors import VtrainError
 # classes a Swin block specialises on (each side a multiple of the window or padded; one window per row or column
 # at the coarsest stage of a small image). Duck sizing is off in the regions of a task whose sizes vary
 # (`_distinct_symbols`): two sizes equal by chance at the first compile specialise nothing. torch's default of
-# 8 for all of that could push a Swin group
-# into eager mid-run; twice that still stops a block that recompiles every step after 16 compiles.
+# 8 for all of that could push a Swin group into eager mid-run; twice that still stops a block that recompiles
+# every step after 16 compiles.
 RECOMPILE_LIMIT = 16
 
 
