@@ -98,9 +98,14 @@ def test_backbone_without_group_matcher_is_a_clear_error():
 
 @pytest.mark.parametrize("value", [0.0, -0.5, 1.5, float("nan"), float("inf"), "0.5x"])
 def test_layer_decay_validated(value):
-    # through build_config (YAML or flags: coerced by the declared type) and directly
+    # a flag's value is named by the flag; a YAML value by its key when its type is wrong (validated as written,
+    # even where a flag overrides it) and by the flag when only its range is; directly by the dataclass
     with pytest.raises(ConfigError, match=r"^--layer-decay \(optim\.layer_decay\): "):
+        build_config("metric", None, {"optim": {"layer_decay": value}})
+    with pytest.raises(ConfigError, match=r"^(--config optim\.layer_decay|--layer-decay \(optim\.layer_decay\)): "):
         build_config("metric", {"optim": {"layer_decay": value}})
+    with pytest.raises(ConfigError, match=r"^--config optim\.layer_decay: "):
+        build_config("metric", {"optim": {"layer_decay": "0.5x"}}, {"optim": {"layer_decay": 0.5}})
     if not isinstance(value, str):
         with pytest.raises(ConfigError, match="--layer-decay"):
             OptimConfig(layer_decay=value)

@@ -205,6 +205,8 @@ class ParallelEngine:
     def forward_context(self) -> contextlib.AbstractContextManager:
         # DeepSpeed runs its own autocast (torch_autocast mode) inside engine.forward; nesting ours would warn.
         if self.plan.kind == "deepspeed":
+            if self.plan.zero_stage == 3 and self.plan.ds_precision_mode == "torch_autocast":
+                return prec.no_weight_cast_cache()
             return contextlib.nullcontext()
         return prec.autocast(self.device.type, self.plan.precision)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,29 @@ def autocast(device_type: str, precision: str) -> contextlib.AbstractContextMana
     if precision not in DTYPES:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=DTYPES[precision])
+
+
+@contextlib.contextmanager
+def no_weight_cast_cache() -> Iterator[None]:
+    """Autocast without its weight-cast cache, for DeepSpeed ZeRO-3's torch_autocast mode.
+
+    `torch.autocast` keeps the 16-bit copy of each weight it casts until the autocast region ends and hands it to
+    every later use of that weight, while ZeRO-3 partitions a parameter after each module's forward and gathers
+    it again for the next. With a module called twice in one forward (DINO's box heads: inside the decoder for the
+    next reference, then for the outputs) and the cache on, backward failed in the parameter's gradient
+    accumulation ("The size of tensor a (0) must match the size of tensor b (64)"), on 1 and 2 CPU processes,
+    DeepSpeed 0.19.8, `memory_efficient_linear` false (engine/ds_config.py); with the cache off it trains
+    (tests/test_dino_train.py, tests/test_precision.py). DeepSpeed opens its autocast with the cache setting in
+    force when it is entered (`torch.autocast(cache_enabled=None)` inherits it), so turning the cache off around
+    the engine's forward turns it off inside. Each use then casts its own copy; the cache would have kept every
+    copy alive to the end of the forward anyway.
+    """
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
 
 
 def _fp32_batchnorm_forward(self: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
