@@ -20,11 +20,11 @@ unit's timeout). A unit starts only when the budget left covers its expected tim
 | face | face_head.py --gpu (ViT-B, b256; 100k/1M/2M ids x 3 heads) | 9 | 25 each | 120 each |
 | estimate | vtrain estimate-memory beside the replicated-head rows | 3 | 30 each | 120 each |
 | loop | loop_overhead.py --gpu (face vit-b, dino swin-l) | 2 | 150, 200 | 360, 420 |
-| loop | the same with --compile, once loop_overhead.py has it | 2 | 300, 400 | 600, 600 |
+| loop | the same with --compile (regional torch.compile, docs/compile.md) | 2 | 300, 400 | 600, 600 |
 
 The msda unit runs first and compiles the Triton kernels (Triton caches them for the DINO rows). Each dino row
-carries estimate-memory's prediction for its configuration (error % beside the measured peak). Until loop_overhead.py has a --compile option (issue 21
-item 3) its rows are recorded as skipped, with that reason.
+carries estimate-memory's prediction for its configuration (error % beside the measured peak). The --compile rows
+compile in their warm-up steps; a dry run skips them (compiling takes minutes on a CPU).
 
 Expected in all: about 18 min without the compile rows. The device name, the torch, Triton and CUDA versions, the
 date and the git commit (`--git-commit` where the tree travels without .git) are recorded with the figures.

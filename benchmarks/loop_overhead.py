@@ -10,10 +10,14 @@ Per case, in one run of this script:
   synchronisation at both ends.
 
 The ratio vtrain / bare is the loop's efficiency (issue 11 goals on one H100: >= 0.92 face ViT-B, >= 0.97 DINO
-Swin-L). Usage (from the repository root):
+Swin-L). With `--compile` both loops compile the model's blocks the same way (`vtrain train --compile`, and
+`engine.compile.apply_compile` on the bare loop's model), the warm-up steps include the compilation (and DINO's one
+recompile with dynamic sizes), and the rows carry `"compile": true`; compare their images/s with a run without
+`--compile` for what compiling buys (docs/compile.md). Usage (from the repository root):
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/loop_overhead.py            # CPU cases
     PYTHONPATH=$PWD python benchmarks/loop_overhead.py --gpu                        # the issue's GPU cases
+    PYTHONPATH=$PWD python benchmarks/loop_overhead.py --gpu --compile              # the same, regional compile
 """
 
 from __future__ import annotations
@@ -70,9 +74,11 @@ def run_vtrain(task: str, flags: list[str], warmup: int, steps: int, out: Path) 
     return rows[-1]["samples_per_s"]
 
 
-def run_bare(task: str, flags: list[str], warmup: int, steps: int) -> float:
-    """images/s of the minimal loop over `steps` steps after `warmup`, same model/data/optimizer/precision."""
+def run_bare(task: str, flags: list[str], warmup: int, steps: int, compile_blocks: bool = False) -> float:
+    """images/s of the minimal loop over `steps` steps after `warmup`, same model/data/optimizer/precision (and the
+    same compiled blocks with `compile_blocks`)."""
     from vtrain.config import build_config
+    from vtrain.engine.compile import apply_compile
     from vtrain.engine.optim import build_optimizer
     from vtrain.engine.plan import resolve_plan
     from vtrain.engine.precision import autocast
@@ -88,6 +94,8 @@ def run_bare(task: str, flags: list[str], warmup: int, steps: int) -> float:
     t = build_task(cfg)
     dataset = t.train_dataset()
     model = t.build_model().to(device).train()
+    if compile_blocks:
+        apply_compile(model, sizes_vary=t.input_sizes_vary)  # as `vtrain train --compile` does
     optimizer = build_optimizer(model, cfg.optim, plan)  # the same AdamW parameter groups as vtrain
     workers = cfg.data.num_workers
     loader = DataLoader(dataset, batch_size=cfg.train.batch_size, shuffle=True, drop_last=True,
@@ -128,22 +136,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--only", default=None, help="run only the case whose name contains this")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    ap.add_argument("--compile", action="store_true",
+                    help="both loops with regional torch.compile (`vtrain train --compile`); rows marked compile")
     a = ap.parse_args()
     if a.gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu: no CUDA device")
     cases = [c for c in (GPU_CASES if a.gpu else CPU_CASES) if a.only is None or a.only in c[0]]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     rows = []
-    print(f"device: {device}; warm-up {a.warmup} steps, timed {a.steps} steps; torch {torch.__version__}")
+    print(f"device: {device}; warm-up {a.warmup} steps, timed {a.steps} steps; torch {torch.__version__}"
+          + ("; regional torch.compile" if a.compile else ""))
     print("| case | flags | bare images/s | vtrain images/s | vtrain / bare |")
     print("|---|---|---|---|---|")
     for name, task, flags in cases:
-        bare = run_bare(task, flags, a.warmup, a.steps)
+        bare = run_bare(task, flags, a.warmup, a.steps, a.compile)
         with tempfile.TemporaryDirectory() as tmp:
-            ours = run_vtrain(task, flags, a.warmup, a.steps, Path(tmp) / "run")
-        rows.append({"case": name, "task": task, "flags": flags, "bare_images_per_s": bare,
+            ours = run_vtrain(task, flags + (["--compile"] if a.compile else []), a.warmup, a.steps,
+                              Path(tmp) / "run")
+        rows.append({"case": name, "task": task, "flags": flags, "compile": a.compile, "bare_images_per_s": bare,
                      "vtrain_images_per_s": ours, "ratio": ours / bare, "device": device})
-        print(f"| {name} | `{' '.join(flags)}` | {bare:.1f} | {ours:.1f} | {ours / bare:.3f} |", flush=True)
+        shown = " ".join(flags) + (" --compile" if a.compile else "")
+        print(f"| {name} | `{shown}` | {bare:.1f} | {ours:.1f} | {ours / bare:.3f} |", flush=True)
     if a.json is not None:
         a.json.write_text(json.dumps(rows, indent=1))
 

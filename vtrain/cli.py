@@ -139,6 +139,9 @@ def train(
         "better) outside --keep-last; recorded in checkpoints/best.json")] = None,
     report_to: Annotated[Optional[str], typer.Option(
         help="none, tensorboard (<output-dir>/tensorboard) or wandb: every logged number as a curve")] = None,
+    compile: Annotated[Optional[bool], typer.Option(
+        "--compile", help="Regional torch.compile: each backbone block and DINO encoder/decoder layer compiled on its "
+        "own, the rest eager (docs/compile.md)")] = None,
 ) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
     # first: a SIGTERM/SIGINT that arrives while the model is being built must also lead to a checkpoint

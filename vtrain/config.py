@@ -29,6 +29,9 @@ SCHEDULES = ("cosine", "step", "constant")
 HEADS = ("arcface", "cosface")
 REPORT_TO = ("none", "tensorboard", "wandb")
 HEAD_PARALLEL = ("none", "sharded")
+# engine/compile.py; not torch's "eager" backend: with activation checkpointing and symbolic sizes it ran a block's
+# graph for another shape class (wrong outputs, torch 2.14.1, docs/compile.md §3)
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 NECK_NORMS = ("bn", "ln", "none")
 MAX_QUERIES, MAX_DN_QUERIES = 5000, 2000
 MIN_DETECTION_SIZE = 64  # the coarsest DINO level has stride 64 (presets.py): smaller inputs leave it empty
@@ -50,7 +53,7 @@ def _check(cond: bool, flag: str, msg: str) -> None:
 _FLAG_RENAMES = {"preset": "--model", "path": "--data", "val_path": "--val-data", "pairs_file": "--pairs"}
 # fields set only in a --config file (no flag): their errors name the key alone, never a flag that does not exist
 CONFIG_ONLY = frozenset({"max_impostor_pairs", "betas", "min_lr_ratio", "milestones", "gamma", "fsdp_offload",
-                         "fsdp_reshard_after_forward", "ffn_recompute", "ffn_chunk"})
+                         "fsdp_reshard_after_forward", "ffn_recompute", "ffn_chunk", "compile_backend"})
 
 
 def flag_of(name: str) -> str:
@@ -313,6 +316,13 @@ class TrainConfig:
     metric (loss-like names default to :min)."""
     report_to: str = "none"
     """Also send every logged number and evaluation metric to tensorboard (<output-dir>/tensorboard) or wandb."""
+    compile: bool = False
+    """Regional torch.compile: each backbone block and each DINO encoder/decoder layer compiled on its own, the rest
+    eager, so a new image size recompiles a few small graphs at most, never the whole model (DINO's sizes are
+    symbolic from the first compile). Checkpoints keep the eager model's keys (docs/compile.md)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend for --compile: inductor (generated kernels) or aot_eager (traced and split into forward
+    and backward, no code generation: to tell a compiler problem from a tracing one)."""
 
     def __post_init__(self) -> None:
         _check(self.epochs is None or self.epochs > 0, "--epochs", f"must be > 0, got {self.epochs}")
@@ -338,6 +348,8 @@ class TrainConfig:
         _check(0 <= self.ema_warmup <= 10**7, "--ema-warmup", f"must be in 0..10000000 steps, got {self.ema_warmup}")
         _check(self.ema_warmup == 0 or self.ema_decay > 0, "--ema-warmup", "needs --ema-decay > 0")
         _check(self.report_to in REPORT_TO, "--report-to", f"choose one of {REPORT_TO}")
+        _check(self.compile_backend in COMPILE_BACKENDS, "train.compile_backend",
+               f"choose one of {COMPILE_BACKENDS}, got {self.compile_backend!r}")
         if self.keep_best is not None:
             name, _, mode = self.keep_best.rpartition(":") if ":" in self.keep_best else (self.keep_best, "", "")
             _check(bool(name.strip()) and mode in ("", "min", "max"), "--keep-best",

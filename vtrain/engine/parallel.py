@@ -25,6 +25,7 @@ from vtrain import guarded
 from vtrain.dist import all_mean_, all_true, world_size
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import precision as prec
+from vtrain.engine.compile import compiled_blocks, compiled_regions
 from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
@@ -169,6 +170,17 @@ class ParallelEngine:
                                           self.plan.fsdp_reshard_after_forward)
         if self.plan.kind == "deepspeed" and self.plan.ds_precision_mode in ("bf16", "fp16"):
             self.bn_fp32_layers = prec.keep_batchnorm_fp32(model)
+        if self.plan.kind == "deepspeed" and self.plan.zero_stage == 3:
+            from deepspeed.utils import set_z3_leaf_module
+
+            # --compile under ZeRO-3: each compiled block becomes one ZeRO-3 unit (a "leaf": its own hooks gather
+            # all of its parameters, its submodules get none), as each block is one FSDP2 unit. ZeRO-3's hooks on
+            # submodules would run inside the compiled forward, where DeepSpeed skips them (a graph break at each)
+            # and no longer gathers a parameter read outside its module's forward (the Swin blocks' relative-
+            # position table: a size-0 tensor, measured with DeepSpeed 0.19.8). Set before `prepare`, which
+            # registers the hooks.
+            for block in compiled_blocks(model):
+                set_z3_leaf_module(block, True)
         return model
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
@@ -464,6 +476,9 @@ class ParallelEngine:
             "dist_world_size": world_size(),
             "model_class": type(self.model).__name__,
             "precision": self.plan.precision,
+            # --compile: the blocks whose forward really is a compiled region, read from the live modules
+            "compiled_regions": compiled_regions(self.model.module if self.plan.kind == "deepspeed"
+                                                 else self.unwrapped),
         }
         params = list(self.model.parameters())
         if self.plan.kind == "deepspeed":

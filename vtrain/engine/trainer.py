@@ -24,6 +24,7 @@ from vtrain.dist import agreed, all_mean_, broadcast_from_main, gather_objects, 
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import autoplan, content, faults, head_shard, rundir
 from vtrain.engine.checkpointer import Checkpointer
+from vtrain.engine.compile import compile_regions
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.engine.loader import MicroBatches, skip_hint
@@ -93,6 +94,9 @@ class Trainer:
         # configured before the engine exists (prepare, below).
         if self.checkpointer.reshard_deepspeed:
             self.engine.use_universal_checkpoint()
+        # regional torch.compile (engine/compile.py): after activation checkpointing, before FSDP2 shards the same
+        # blocks, so each compiled forward runs inside its FSDP unit (torchtitan's order)
+        self.logger_notes += compile_regions(model, t, self.accelerator.device, self.task.input_sizes_vary)
         model = self.engine.shard(model)
         # 5. parameter groups and optimizer (after FSDP2: they must see the DTensor parameters)
         optimizer = build_optimizer(model, cfg.optim, self.plan)

@@ -102,7 +102,12 @@ class _ResidualMLP(torch.autograd.Function):
 def residual_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, chunk: int) -> Tensor:
     """`x + fc2(relu(fc1(x)))` over `chunk` rows of `x` at a time (chunk <= 0: all rows at once), keeping only `x`
     as autocast casts it for the matmuls (a 16-bit copy under autocast) for backward; the MLP's output never exists
-    whole either. Under autocast the weights are cast as autocast casts them."""
+    whole either. Under autocast the weights are cast as autocast casts them.
+
+    Plain under torch.compile (as lean.py): dynamo cannot trace the Function's chunk loop over a symbolic row count,
+    `torch.result_type` or `new_empty` (graph breaks), and AOTAutograd's partitioner decides what backward keeps."""
+    if torch.compiler.is_compiling():
+        return x + fc2(torch.relu(fc1(x)))
     rows = x.numel() // x.shape[-1]
     chunk = rows if chunk <= 0 else min(chunk, max(rows, 1))
     c = autocast_input

@@ -16,6 +16,9 @@ dropped one as a one-element placeholder of the same shape, dtype and device tha
 recomputation then keeps the recipe's inputs instead of the dropped tensor, and backward makes it from them (the
 checkpoint checks only shape, dtype and device of what it recomputes). Under other saved-tensor hooks (a user's,
 CPU offload) they compute plainly and keep what autograd keeps.
+Under `torch.compile` they compute plainly too (`torch.compiler.is_compiling()`): dynamo cannot trace the hook
+stack or storage identities (each use would break the graph), and AOTAutograd's partitioner already chooses what
+backward keeps and what it recomputes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ from torch.autograd.graph import saved_tensors_hooks
 
 _LOW = (torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
+
+
+def _outer() -> tuple | None | bool:
+    """Where the rules below may drop a tensor: `_enclosing_hooks()`, or True (compute plainly) when nothing is
+    saved for backward or dynamo is tracing (its own partitioner decides what backward keeps)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return True
+    return _enclosing_hooks()
 
 
 def _enclosing_hooks() -> tuple | None | bool:
@@ -169,7 +180,7 @@ _LATER = object()  # `choose`: not known yet
 def remat(consumer: Callable[..., Any], *products: tuple[Callable[..., Tensor], tuple[Any, ...]]) -> Any:
     """`consumer(*outs)` with `outs[i] = producer_i(*args_i)` for `products = ((producer_i, args_i), ...)`; backward
     keeps the `args_i` instead of whatever it saves of the outputs (each made again when first needed)."""
-    outer = _enclosing_hooks() if torch.is_grad_enabled() else True
+    outer = _outer()
     if outer is True:
         return consumer(*(fn(*args) for fn, args in products))
     recipes: dict[int, _Recipe] = {}
@@ -192,7 +203,7 @@ def remat_in_checkpoint(consumer: Callable[..., Any], *products: tuple[Callable[
     """`remat` inside an activation checkpoint, plain outside it. For producers whose output is smaller than their
     inputs (a 16-bit cast of an fp32 tensor, the fp32 sum of a kept tensor and a 16-bit one): keeping the inputs
     pays only where they are kept anyway, as a checkpointed layer's recomputation keeps the layer's inputs."""
-    if torch.is_grad_enabled() and isinstance(_enclosing_hooks(), tuple):
+    if isinstance(_outer(), tuple):
         return remat(consumer, *products)
     return consumer(*(fn(*args) for fn, args in products))
 
@@ -205,7 +216,7 @@ def lean_norm(norm: nn.Module, x: Tensor, source: tuple[Callable[..., Tensor], t
     copy. `call`: the norm's own forward, for a norm module that calls this from its forward."""
     run = call or norm
     low = x.dtype in _LOW
-    outer = _enclosing_hooks() if (low or source is not None) and torch.is_grad_enabled() else True
+    outer = _outer() if low or source is not None else True
     if outer is True:
         return run(x)
     own = {id(p) for p in norm.parameters()}
@@ -287,5 +298,8 @@ class _Relu(torch.autograd.Function):
 
 
 def relu_single_use(x: Tensor) -> Tensor:
-    """`relu(x)` for an output used once (see _Relu); the same values forward and backward."""
-    return _Relu.apply(x) if torch.is_grad_enabled() and x.requires_grad else torch.relu(x)
+    """`relu(x)` for an output used once (see _Relu); the same values forward and backward. Plain under
+    torch.compile: the traced backward is functional, and the compiler plans its buffers itself."""
+    if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+        return _Relu.apply(x)
+    return torch.relu(x)

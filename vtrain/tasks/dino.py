@@ -65,6 +65,9 @@ def test_sizes(image_size: int, max_size: int | None) -> tuple[int, int]:
 class DinoTask:
     name = "dino"
     collate_fn = staticmethod(collate)
+    # multi-scale training resizes every image (short side 480-800 in steps of 32) and pads each batch to its own
+    # largest image, and the number of denoising queries follows the number of boxes (engine/compile.py reads this)
+    input_sizes_vary = True
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg

@@ -43,6 +43,7 @@ class EvalSet:
 class MetricTask:
     name = "metric"
     collate_fn = None  # default collation: fixed-size crops
+    input_sizes_vary = False  # every micro-batch has the same shape (engine/compile.py reads this)
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
