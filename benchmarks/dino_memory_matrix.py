@@ -82,7 +82,8 @@ def child(row: dict) -> dict:
     from vtrain.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
     from vtrain.memory.trace import build_model, profiled_peak, step_inputs
     from vtrain.engine.optim import build_optimizer
-    from vtrain.engine.parallel import ParallelEngine, build_accelerator
+    from vtrain.engine.accelerator import build_accelerator
+from vtrain.engine.parallel import ParallelEngine
     from vtrain.engine.plan import resolve_plan
     from vtrain.models.dino.msda import auto_impl
 

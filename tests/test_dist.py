@@ -67,7 +67,7 @@ def _group_of_one(rank: int, port: int, path: str) -> None:
 
 
 def test_a_process_group_of_one_is_one_process(tmp_path):
-    """FSDP2 on one process creates a group of one (parallel.build_accelerator): still no collective."""
+    """FSDP2 on one process creates a group of one (engine/accelerator.build_accelerator): still no collective."""
     out = tmp_path / "left"
     mp.spawn(_group_of_one, args=(_port(), str(out)), nprocs=1, join=True)
     assert json.loads(out.read_text()) is False  # leave() destroyed it

@@ -2,96 +2,31 @@
 
 DDP and DeepSpeed go through Accelerate (`accelerator.prepare`); FSDP2 is applied here with torch's
 `fully_shard` because Accelerate skips it on CPU processes. The loop talks to this class only:
-`sync_context`, `forward_context`, `backward`, `step`, `zero_grad`, `full_state_dict`, `save`/`load`.
+`sync_context`, `forward_context`, `backward`, `step`, `zero_grad`, `full_state_dict`, `save`/`load`. The
+Accelerator it runs on is built by engine/accelerator.py; what is really active is read by engine/active.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import socket
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 from torch import nn
 
 from vtrain import guarded
-from vtrain.dist import all_mean_, all_true, world_size
+from vtrain.dist import all_mean_, all_true
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import precision as prec
-from vtrain.engine.compile import compiled_blocks, compiled_regions
+from vtrain.engine.active import active_facts, verify_active
+from vtrain.engine.compile import compiled_blocks
 from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
 from vtrain.safeio import check_dcp, dcp_refusals
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def quiet_libraries() -> None:
-    """Keep the run log readable: DeepSpeed's INFO chatter and deprecation warnings from inside libraries."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    # DeepSpeed steps the client optimizer through its own wrapper, which LambdaLR cannot see: the order is right.
-    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-    for name in ("DeepSpeed", "deepspeed"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def build_accelerator(plan: Plan, grad_accum: int, log_with: str | None = None,
-                      project_dir: str | None = None) -> Accelerator:
-    """`log_with`: an Accelerate tracker (tensorboard, wandb) writing under `project_dir`."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, instead of DeepSpeed warning that it guessed
-    if plan.kind == "deepspeed" and "RANK" not in os.environ:
-        # A plain `vtrain train --ds-config ...` (or `accelerate launch` with one process) sets no rendezvous;
-        # DeepSpeed would then try MPI discovery and fail on "No module named 'mpi4py'".
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    # We own FSDP (see fsdp.py): keep Accelerate from wrapping the model itself on GPUs.
-    for var in ("ACCELERATE_USE_FSDP",):
-        os.environ.pop(var, None)
-    handlers = []
-    cpu_only = not torch.cuda.is_available()
-    if cpu_only and (plan.world_size > 1 or plan.kind == "deepspeed"):
-        # Without an explicit gloo backend Accelerate reports 1 process and every rank "main" on CPU under
-        # DeepSpeed (data not sharded, every rank saving): docs/cpu_distributed.md.
-        handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=timedelta(minutes=30)))
-    ds_plugin = None
-    if plan.kind == "deepspeed":
-        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # the plugin below is the only DeepSpeed source
-        # `accelerate launch --config_file` with a deepspeed_config section lists the YAML's keys here, and the
-        # plugin then refuses any JSON file ("the following accelerate config variables will be ignored",
-        # measured with accelerate 1.15 and accelerate_configs/deepspeed.yaml). The plan has already read
-        # what it needs from that YAML, and vtrain fills the JSON from its own flags: one owner per knob.
-        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
-        ds_plugin = DeepSpeedPlugin(hf_ds_config=plan.ds_config)
-    # On CPU processes DDP needs cpu=True: with the gloo kwargs alone Accelerate stays at distributed type NO
-    # and `prepare` returns the bare model (measured: accelerate 1.15). cpu=True would drop DeepSpeed, so
-    # DeepSpeed keeps the kwargs route above.
-    cpu_flag = cpu_only and plan.kind != "deepspeed" and plan.world_size > 1
-    # Precision is applied by vtrain (autocast here, torch_autocast inside DeepSpeed), so Accelerate gets "no".
-    accelerator = Accelerator(mixed_precision="no", deepspeed_plugin=ds_plugin, kwargs_handlers=handlers,
-                              cpu=cpu_flag, gradient_accumulation_steps=grad_accum, log_with=log_with,
-                              project_dir=project_dir)
-    if plan.kind == "fsdp" and not dist.is_initialized():
-        # fully_shard needs a process group even for one process (Accelerate creates none for a single one)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1,
-                                init_method=f"tcp://127.0.0.1:{_free_port()}")
-    quiet_libraries()
-    return accelerator
 
 
 def _persistent_buffers(module: nn.Module):
@@ -463,69 +398,9 @@ class ParallelEngine:
 
     # ---- what is really active -----------------------------------------------------------------------------
     def active(self) -> dict[str, Any]:
-        """Facts read from the live objects (not from flags), for this rank."""
-        info: dict[str, Any] = {
-            "rank": self.accelerator.process_index,
-            # where this rank runs: on several nodes each node numbers its processes from local rank 0 (the GPU
-            # index), and GROUP_RANK is the node rank torch elastic (`accelerate launch --machine_rank`) assigned
-            "host": socket.gethostname(),
-            "local_rank": self.accelerator.local_process_index,
-            "node_rank": int(os.environ.get("GROUP_RANK", "0")),
-            "accelerate_num_processes": self.accelerator.num_processes,
-            "accelerate_is_main": self.accelerator.is_main_process,
-            "dist_world_size": world_size(),
-            "model_class": type(self.model).__name__,
-            "precision": self.plan.precision,
-            # --compile: the blocks whose forward really is a compiled region, read from the live modules
-            "compiled_regions": compiled_regions(self.model.module if self.plan.kind == "deepspeed"
-                                                 else self.unwrapped),
-        }
-        params = list(self.model.parameters())
-        if self.plan.kind == "deepspeed":
-            import deepspeed
-
-            info["deepspeed_engine"] = isinstance(self.model, deepspeed.DeepSpeedEngine)
-            info["zero_stage"] = self.model.zero_optimization_stage()
-            info["offload_optimizer"] = bool(self.model.zero_offload_optimizer()) if self.plan.zero_stage else False
-            info["offload_params"] = bool(self.model.zero_offload_param()) if self.plan.zero_stage == 3 else False
-            info["torch_autocast"] = bool(self.model.torch_autocast_enabled())
-            info["param_dtype"] = str(params[0].dtype)
-            if self.plan.zero_stage == 3:
-                local = sum(p.ds_tensor.numel() for p in params)
-                total = sum(p.ds_numel for p in params)
-                info["local_param_fraction"] = local / total
-        elif self.plan.kind == "fsdp":
-            from torch.distributed.tensor import DTensor
-
-            info["all_params_dtensor"] = all(isinstance(p, DTensor) for p in params)
-            local = sum(p.to_local().numel() for p in params if isinstance(p, DTensor))
-            total = sum(p.numel() for p in params)
-            info["local_param_fraction"] = local / total
-            info["fsdp_units"] = self.fsdp_units
-            info["param_dtype"] = str(params[0].dtype)
-        else:
-            info["ddp_wrapped"] = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-            info["param_dtype"] = str(params[0].dtype)
-        return info
+        """Facts read from the live objects (not from flags), for this rank (engine/active.py)."""
+        return active_facts(self.plan, self.accelerator, self.model, self.unwrapped, self.fsdp_units)
 
     def verify(self, info: dict[str, Any]) -> None:
-        """Stop with a clear error if what runs is not what was asked for."""
-        p, problems = self.plan, []
-        if info["accelerate_num_processes"] != p.world_size or info["dist_world_size"] != p.world_size:
-            problems.append(f"world size: launched {p.world_size} processes but Accelerate sees "
-                            f"{info['accelerate_num_processes']} and torch.distributed {info['dist_world_size']}")
-        if p.kind == "deepspeed":
-            if not info["deepspeed_engine"]:
-                problems.append("DeepSpeed was requested but the model is not a DeepSpeedEngine")
-            elif info["zero_stage"] != p.zero_stage:
-                problems.append(f"ZeRO stage {info['zero_stage']} active, {p.zero_stage} requested")
-            elif info["offload_optimizer"] != p.offload_optimizer or info["offload_params"] != p.offload_params:
-                problems.append("DeepSpeed offload settings differ from the config")
-        elif p.kind == "fsdp":
-            if not info["all_params_dtensor"]:
-                problems.append("FSDP2 was requested but parameters are not DTensors")
-        elif p.kind == "ddp" and not info["ddp_wrapped"]:
-            problems.append(f"DDP over {p.world_size} processes was requested but the model is "
-                            f"{info['model_class']}")
-        if problems:
-            raise VtrainError("active engine differs from the request: " + "; ".join(problems))
+        """Stop with a clear error if what runs is not what was asked for (engine/active.py)."""
+        verify_active(self.plan, info)

@@ -31,7 +31,8 @@ from vtrain.engine.loader import MicroBatches, skip_hint
 from vtrain.engine.logging import (RunLogger, StatsWindow, StepTimer, describe_run, memory_gb, start_trackers,
                                    tracker_name, write_run_info)
 from vtrain.engine.optim import build_optimizer, build_scheduler, layer_decay_note
-from vtrain.engine.parallel import ParallelEngine, build_accelerator
+from vtrain.engine.accelerator import build_accelerator
+from vtrain.engine.parallel import ParallelEngine
 from vtrain.engine.plan import resolve_plan
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict, read_state_dict
