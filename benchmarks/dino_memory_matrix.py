@@ -83,7 +83,7 @@ def child(row: dict) -> dict:
     from vtrain.memory.trace import build_model, profiled_peak, step_inputs
     from vtrain.engine.optim import build_optimizer
     from vtrain.engine.accelerator import build_accelerator
-from vtrain.engine.parallel import ParallelEngine
+    from vtrain.engine.parallel import ParallelEngine
     from vtrain.engine.plan import resolve_plan
     from vtrain.models.dino.msda import auto_impl
 
