@@ -145,7 +145,7 @@ def _selector(tok: str, part: str) -> Selector:
     m = _SEL.match(tok)
     if not m:
         raise SpecError(f"{part}:{_short(tok)}: a selector is N, N-M, stageN[-M] or blockN[-M]")
-    if max(len(m.group(2)), len(m.group(3) or "")) > MAX_DIGITS:  # int() of a long digit string is itself slow
+    if max(len(m.group(2)), len(m.group(3) or "")) > MAX_DIGITS:  # int() raises past 4300 digits (a traceback)
         raise SpecError(f"{part}:{_short(tok)}: a unit number has at most {MAX_DIGITS} digits")
     kind, lo = m.group(1) or "", int(m.group(2))
     hi = int(m.group(3)) if m.group(3) is not None else lo
