@@ -208,7 +208,7 @@ def test_metric_embeddings_are_evaluations(metric_run, faces, tmp_path, monkeypa
     run's evaluation on its `hf:` validation split (the same images as rows)."""
     from safetensors import safe_open
 
-    from vtrain.data.faces import sample_pairs
+    from vtrain.data.pairs import sample_pairs
     from vtrain.tools.evaluate import evaluate_checkpoint
     from vtrain.eval.verification import verification_metrics
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import tracemalloc
 
 import pytest
 import torch
@@ -50,6 +51,43 @@ def test_valid_values_parse_to_a_canonical_form_that_parses_back(value, canonica
 def test_malformed_values_say_what_is_wrong(value, message):
     with pytest.raises(recompute.SpecError, match=message):
         recompute.parse(value)
+
+
+UNITS = [f"backbone.block{i}" for i in range(12)] + ["encoder.0", "encoder.1", "decoder.0", "decoder.1"]
+
+
+@pytest.mark.parametrize("value,message", [
+    ("backbone:block0-99999999999", "backbone:block0-99999999999: no unit backbone.block12; this model has 12 "
+                                    "backbone units: backbone:block0-11"),
+    ("encoder:0-999999999999999999,decoder:0", "no unit encoder.2; this model has 2 encoder units: encoder:0-1"),
+    ("decoder:1,3-999999999999", "no unit decoder.3;"),
+    ("sac:backbone:block11-12", "no unit backbone.block12;"),
+    ("backbone:block5,stage0-99999999999", "no unit backbone.stage0;"),
+    ("encoder:" + ",".join(["0", "1"] * 20000) + ",9", "... (80009 characters): no unit encoder.9;"),
+])
+def test_a_range_beyond_the_model_is_refused_without_listing_its_units(value, message):
+    """A range is checked as an interval: resolving 10^11 or 10^18 units, or 40,000 items, holds no more than the
+    model's units (tracemalloc), and the message cuts a long value."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(recompute.SpecError) as e:
+            recompute.resolve(recompute.parse(value), UNITS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert message in str(e.value) and len(str(e.value)) < 300
+    assert peak < 16 * 2**20, f"{peak / 2**20:.1f} MB"
+
+
+@pytest.mark.parametrize("value,chosen", [
+    ("backbone:block3-5,block4", {f"backbone.block{i}": "full" for i in (3, 4, 5)}),
+    ("encoder:" + ",".join(["1", "0"] * 20000), {"encoder.0": "full", "encoder.1": "full"}),
+    ("sac:backbone:block10-11,encoder", {"backbone.block10": "sac", "backbone.block11": "sac", "encoder.0": "full",
+                                         "encoder.1": "full"}),
+])
+def test_ranges_within_the_model_resolve_in_unit_order(value, chosen):
+    assert recompute.resolve(recompute.parse(value), UNITS) == chosen
+    assert list(recompute.resolve(recompute.parse(value), UNITS)) == [u for u in UNITS if u in chosen]
 
 
 def test_config_checks_syntax_and_parts_naming_the_flag_and_the_forms():

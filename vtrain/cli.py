@@ -213,7 +213,8 @@ def predict(
         help="Image file, folder (searched at any depth) or quoted glob pattern; repeat for more")],
     out: Annotated[Path, typer.Option(help="Detection: output folder; metric: the .safetensors file to write")],
     task: Annotated[Optional[Task], typer.Option(help="Expected task (default: the checkpoint's)")] = None,
-    score_threshold: Annotated[float, typer.Option(help="Detection: draw and keep boxes scoring at least this")] = 0.3,
+    score_threshold: Annotated[Optional[float], typer.Option(
+        help="Detection: draw and keep boxes scoring at least this (default 0.3)")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
     ann: Annotated[Optional[str], typer.Option(
         help="Detection: COCO annotation JSON whose file_names give the image ids (default: 1..N)")] = None,
@@ -228,7 +229,7 @@ def predict(
     from vtrain.tools.predict import predict as run_predict
 
     if batch_size is not None and batch_size < 1:
-        raise VtrainError("--batch-size: must be > 0")
+        raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
     if num_workers < 0:
         raise VtrainError("--num-workers: must be >= 0")
     report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
@@ -236,7 +237,7 @@ def predict(
                          overwrite=overwrite)
     if report.task == "dino":
         console.print(f"{report.images} images on {report.device}: {report.detections} boxes with score >= "
-                      f"{score_threshold}; wrote the drawn images and predictions.json to {out}", soft_wrap=True)
+                      f"{report.score_threshold}; wrote the drawn images and predictions.json to {out}", soft_wrap=True)
     else:
         console.print(f"{report.images} images on {report.device}: wrote {out} (embeddings; file names in its "
                       "metadata)", soft_wrap=True)
@@ -296,7 +297,7 @@ def consolidate_cmd(
 def export_cmd(
     checkpoint: Annotated[Path, typer.Argument(help="Metric run dir (newest checkpoint) or checkpoints/step_N")],
     out: Annotated[Path, typer.Argument(help="Output file, e.g. model.onnx")],
-    opset: Annotated[int, typer.Option(help="ONNX opset (18 or newer)")] = 18,
+    opset: Annotated[int, typer.Option(help="ONNX opset (18 up to what the installed onnx/onnxscript write)")] = 18,
     verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on a random batch")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT (and OUT.data) when it exists (never a checkpoint's file)")] = False,
 ) -> None:
@@ -304,8 +305,6 @@ def export_cmd(
     from vtrain.engine.logging import console
     from vtrain.tools.export import MEAN, STD, export_onnx
 
-    if opset < 18:
-        raise VtrainError(f"--opset {opset}: torch's ONNX exporter targets opset 18 or newer")
     r = export_onnx(checkpoint, out, opset, verify, overwrite)
     console.print(f"exported {r.checkpoint} ({r.params:,} parameters) to {r.path}"
                   + (f" + {r.path.name}.data" if r.external_data else ""), soft_wrap=True)
@@ -339,10 +338,13 @@ def estimate_memory_cmd(
         help="Metric head: none or sharded (Partial FC: each GPU holds 1/--gpus of the identities)")] = None,
     sample_rate: Annotated[Optional[float], typer.Option(
         help="Sharded head: share of each GPU's identities per step (1.0: all)")] = None,
+    neck_norm: Annotated[Optional[str], typer.Option(
+        help="Metric: embedding neck norm, bn (default; needs a micro-batch >= 2), ln or none")] = None,
     breakdown: Annotated[bool, typer.Option(
         "--breakdown", help="Show the modules holding the most activation bytes at the peak, and the bytes per "
         "recompute unit")] = False,
-    breakdown_rows: Annotated[int, typer.Option(help="Modules --breakdown shows (the rest as one row)")] = 15,
+    breakdown_rows: Annotated[Optional[int], typer.Option(
+        help="Modules --breakdown shows (the rest as one row; default 15)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object")] = False,
 ) -> None:
     """Predict per-GPU training memory from the real model, without a GPU (fake tensors, one traced step)."""
@@ -352,8 +354,9 @@ def estimate_memory_cmd(
         raise VtrainError(f"--gpus: must be >= 1, got {gpus}")
     if batch_size is not None and batch_size < 1:
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
-    if breakdown_rows < 1:
-        raise VtrainError(f"--breakdown-rows: must be >= 1, got {breakdown_rows}")
+    if breakdown_rows is not None and (breakdown_rows < 1 or not breakdown):
+        raise VtrainError(f"--breakdown-rows: the rows of the --breakdown table, >= 1 and with --breakdown; got "
+                          f"{breakdown_rows}{'' if breakdown else ' without --breakdown'}")
     if memory_budget is not None and not (0 < memory_budget < float("inf")):
         raise VtrainError(f"--memory-budget: must be a positive number of GiB, got {memory_budget}")
     from rich.console import Console  # after the checks above: a bad number is reported without importing torch
@@ -365,8 +368,9 @@ def estimate_memory_cmd(
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
                        fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
                        ds_config=ds_config, head_parallel=head_parallel, sample_rate=sample_rate,
-                       memory_budget=memory_budget)
-    report = estimate_report(setup, gpu_memory, compare_gc, breakdown_rows if breakdown else 0)
+                       memory_budget=memory_budget, neck_norm=neck_norm)
+    rows = (15 if breakdown_rows is None else breakdown_rows) if breakdown else 0
+    report = estimate_report(setup, gpu_memory, compare_gc, rows)
     if as_json:
         print(json.dumps(report))
         return

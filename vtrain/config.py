@@ -40,6 +40,9 @@ DEMO_DATA = "demo"  # --data demo: the task's built-in data set (data/demo.py)
 # pixel); torchvision's decoders have none, so vtrain applies it to every image it decodes (docs/input_limits.md)
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 MAX_IMAGE_PIXELS_CEILING = 1 << 32  # 12 GiB as uint8 RGB; libjpeg's 65500 x 65500 is 4.29e9 pixels
+# sampled held-out pairs of each kind: 10 million resolve FAR 1e-6 with ten false accepts (docs/face.md §5) and
+# stay a few hundred MB of indices and scores (docs/input_limits.md)
+MAX_SAMPLED_PAIRS = 10_000_000
 
 
 def _check(cond: bool, flag: str, msg: str) -> None:
@@ -52,8 +55,15 @@ def _check(cond: bool, flag: str, msg: str) -> None:
 # flags whose name is not the field name with dashes
 _FLAG_RENAMES = {"preset": "--model", "path": "--data", "val_path": "--val-data", "pairs_file": "--pairs"}
 # fields set only in a --config file (no flag): their errors name the key alone, never a flag that does not exist
-CONFIG_ONLY = frozenset({"max_impostor_pairs", "betas", "min_lr_ratio", "milestones", "gamma", "fsdp_offload",
-                         "fsdp_reshard_after_forward", "ffn_recompute", "ffn_chunk", "compile_backend"})
+CONFIG_ONLY = frozenset({"max_impostor_pairs", "max_genuine_pairs", "betas", "min_lr_ratio", "milestones", "gamma",
+                         "fsdp_offload", "fsdp_reshard_after_forward", "ffn_recompute", "ffn_chunk", "compile_backend"})
+
+
+def check_neck_batch(neck_norm: str, batch_size: int) -> None:
+    """The face model's micro-batch against its embedding neck, for `train` and `estimate-memory` alike: BatchNorm in
+    training needs two samples per channel (each rank normalises its own micro-batch)."""
+    _check(neck_norm != "bn" or batch_size >= 2, "--batch-size",
+           "must be >= 2 with the BatchNorm embedding neck (--neck-norm bn); use --neck-norm ln for 1")
 
 
 def flag_of(name: str) -> str:
@@ -170,6 +180,10 @@ class DataConfig:
     pairs_file: str | None = None
     """Verification pairs file (`path1 path2 1|0` per line, paths relative to the file); else pairs are sampled."""
     max_impostor_pairs: int = 200_000
+    """Held-out identities: impostor pairs scored, all of them or a seeded uniform sample of this many."""
+    max_genuine_pairs: int = 200_000
+    """Held-out identities: genuine pairs scored, all of them or a seeded uniform sample of this many (an identity
+    with thousands of images has millions; 200,000 measure a TAR to about +-0.1%)."""
     val_targets: list[str] | None = None
     """Metric: verification packs to evaluate on, insightface style: `lfw` is <data>/lfw.bin, `x.bin` a path.
     Default: every *.bin beside a train.rec; [] evaluates on none."""
@@ -207,7 +221,9 @@ class DataConfig:
             _check(Path(self.val_path).is_dir(), "--val-data", f"not a directory: {self.val_path}")
         if self.pairs_file is not None:
             _check(Path(self.pairs_file).is_file(), "--pairs", f"file not found: {self.pairs_file}")
-        _check(self.max_impostor_pairs > 0, "data.max_impostor_pairs", "must be > 0")
+        for key in ("max_impostor_pairs", "max_genuine_pairs"):  # every rank holds the pairs, rank 0 their scores
+            value = getattr(self, key)
+            _check(0 < value <= MAX_SAMPLED_PAIRS, f"data.{key}", f"must be in 1..{MAX_SAMPLED_PAIRS}, got {value}")
         for flag, value in (("--train-ann", self.train_ann), ("--val-ann", self.val_ann)):
             if value is not None:
                 _check(Path(value).is_file(), flag, f"file not found: {value}")
@@ -381,9 +397,7 @@ class RunConfig:
         _check(not (self.model.pretrained and self.train.resume_weights_only), "--pretrained",
                "cannot be combined with --resume-weights-only (which replaces every weight)")
         if self.task == "metric":
-            # BatchNorm in training needs two samples per channel (each rank normalises its own micro-batch)
-            _check(self.model.neck_norm != "bn" or self.train.batch_size >= 2, "--batch-size",
-                   "must be >= 2 with the BatchNorm embedding neck (--neck-norm bn); use --neck-norm ln for 1")
+            check_neck_batch(self.model.neck_norm, self.train.batch_size)
         try:
             recompute.check_parts(recompute.parse(self.model.grad_ckpt), self.task)
         except recompute.SpecError as e:

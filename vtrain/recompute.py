@@ -37,6 +37,13 @@ HELP = ("Activation checkpointing (non-reentrant), comma list of PART or PART:SE
 FORMS = "PART, PART:N-M, PART:stageN-M, PART:blockN-M, sac:PART[:SEL] (e.g. backbone:stage0,encoder:0-2,sac:decoder)"
 
 _SEL = re.compile(r"^(stage|block)?(\d+)(?:-(?:\1)?(\d+))?$")  # stage0-2 or stage0-stage2
+MAX_DIGITS = 18
+"""A unit number longer than this names no model's unit (and stays an ordinary int64)."""
+
+
+def _short(text: str, limit: int = 60) -> str:
+    """`text` cut for a message: a value may be as long as the command line or the config file."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class SpecError(ValueError):
@@ -50,9 +57,6 @@ class Selector:
     kind: str
     lo: int
     hi: int
-
-    def names(self) -> list[str]:
-        return [f"{self.kind}{i}" for i in range(self.lo, self.hi + 1)]
 
     def __str__(self) -> str:
         return f"{self.kind}{self.lo}" if self.lo == self.hi else f"{self.kind}{self.lo}-{self.hi}"
@@ -105,20 +109,22 @@ def parse(value: str | Iterable[str] | None) -> RecomputeSpec:
         if tokens != [AUTO]:
             raise SpecError("auto stands alone (the planner chooses every unit)")
         return RecomputeSpec(auto=True)
-    items: list[Item] = []
+    # (part, mode, selectors) lists: a long run of bare selectors appends in place (no tuple copied per token)
+    items: list[tuple[str, str, list[Selector]]] = []
     for tok in tokens:
         if not tok:
-            raise SpecError(f"empty item in {text!r}")
+            raise SpecError(f"empty item in {_short(text)!r}")
         if _SEL.match(tok):  # a bare selector continues the item before it: encoder:2,5
             if not items:
-                raise SpecError(f"{tok!r} names no part (write e.g. encoder:{tok})")
-            last = items[-1]
-            if last.selectors and tok[0].isdigit():  # backbone:stage0,2 -> stage0, stage2
-                tok = last.selectors[-1].kind + tok
-            items[-1] = Item(last.part, last.mode, last.selectors + (_selector(tok, last.part),))
+                raise SpecError(f"{_short(tok)!r} names no part (write e.g. encoder:{_short(tok)})")
+            part, _, sels = items[-1]
+            if sels and tok[0].isdigit():  # backbone:stage0,2 -> stage0, stage2
+                tok = sels[-1].kind + tok
+            sels.append(_selector(tok, part))
             continue
-        items.append(_item(tok))
-    return RecomputeSpec(tuple(items))
+        item = _item(tok)
+        items.append((item.part, item.mode, list(item.selectors)))
+    return RecomputeSpec(tuple(Item(p, m, tuple(sels)) for p, m, sels in items))
 
 
 def _item(tok: str) -> Item:
@@ -129,7 +135,7 @@ def _item(tok: str) -> Item:
     if "." in part and not sep:  # a unit's own name, encoder.3 or backbone.stage2
         part, sel, sep = *part.split(".", 1), ":"
     if not re.fullmatch(r"[a-z]+", part):
-        raise SpecError(f"{tok!r} is not PART or PART:SEL")
+        raise SpecError(f"{_short(tok)!r} is not PART or PART:SEL")
     if sep and not sel:
         raise SpecError(f"{part}: nothing after ':'")
     return Item(part, mode, (_selector(sel, part),) if sep else ())
@@ -138,14 +144,16 @@ def _item(tok: str) -> Item:
 def _selector(tok: str, part: str) -> Selector:
     m = _SEL.match(tok)
     if not m:
-        raise SpecError(f"{part}:{tok}: a selector is N, N-M, stageN[-M] or blockN[-M]")
+        raise SpecError(f"{part}:{_short(tok)}: a selector is N, N-M, stageN[-M] or blockN[-M]")
+    if max(len(m.group(2)), len(m.group(3) or "")) > MAX_DIGITS:  # int() raises past 4300 digits (a traceback)
+        raise SpecError(f"{part}:{_short(tok)}: a unit number has at most {MAX_DIGITS} digits")
     kind, lo = m.group(1) or "", int(m.group(2))
     hi = int(m.group(3)) if m.group(3) is not None else lo
     if hi < lo:
-        raise SpecError(f"{part}:{tok}: empty range")
+        raise SpecError(f"{part}:{_short(tok)}: empty range")
     if (kind == "") != (part != "backbone"):
         want = "stageN or blockN" if part == "backbone" else "layer numbers N or N-M"
-        raise SpecError(f"{part}:{tok}: {part} units are {want}")
+        raise SpecError(f"{part}:{_short(tok)}: {part} units are {want}")
     return Selector(kind, lo, hi)
 
 
@@ -159,22 +167,34 @@ def check_parts(spec: RecomputeSpec, task: str) -> None:
 
 def resolve(spec: RecomputeSpec, units: Sequence[str]) -> dict[str, str]:
     """Unit name -> mode for a model whose units are `units` (in forward order). A unit named twice keeps one mode
-    (naming it as both full and sac is an error); a selector naming no unit is an error that lists the units."""
+    (naming it as both full and sac is an error); a selector naming no unit is an error that lists the units.
+    A range is checked as an interval against the model's units, never expanded: work and memory follow the
+    model's unit count, whatever numbers the spec holds."""
     if spec.auto:
         raise SpecError("auto is resolved by the memory planner, not against a model")
     chosen: dict[str, str] = {}
     for item in spec.items:
         own = [u for u in units if u.startswith(item.part + ".")]
-        names = own if not item.selectors else [f"{item.part}.{n}" for s in item.selectors for n in s.names()]
-        missing = [n for n in names if n not in own]
-        if missing:
-            raise SpecError(f"{item}: no unit {missing[0]}; this model's {item.part} units: "
-                            f"{compact(own) or 'none'}")
+        names = own if not item.selectors else [n for s in item.selectors for n in _select(item, s, own)]
         for n in names:
             if chosen.get(n, item.mode) != item.mode:
                 raise SpecError(f"{n} is named as both full and sac")
             chosen[n] = item.mode
     return {u: chosen[u] for u in units if u in chosen}
+
+
+def _select(item: Item, sel: Selector, own: Sequence[str]) -> list[str]:
+    """The units of `own` (one part's units) that `sel` names; SpecError naming the first one the model lacks."""
+    index = {}
+    for u in own:
+        m = _SEL.match(u.split(".", 1)[1])
+        if m and (m.group(1) or "") == sel.kind and m.group(3) is None and sel.lo <= int(m.group(2)) <= sel.hi:
+            index[int(m.group(2))] = u
+    if len(index) == sel.hi - sel.lo + 1:
+        return [index[i] for i in sorted(index)]
+    missing = next(i for i in range(sel.lo, sel.hi + 1) if i not in index)  # at most len(own) + 1 steps
+    raise SpecError(f"{_short(str(item))}: no unit {item.part}.{sel.kind}{missing}; this model has {len(own)} "
+                    f"{item.part} unit{'s' if len(own) != 1 else ''}: {compact(own) or 'none'}")
 
 
 def from_units(chosen: Mapping[str, str], units: Sequence[str] | None = None) -> RecomputeSpec:

@@ -192,19 +192,3 @@ def read_pairs(path: Path) -> list[tuple[str, str, bool]]:
     if not any(s for *_, s in pairs) or all(s for *_, s in pairs):
         raise VtrainError(f"{path}: needs both genuine (1) and impostor (0) pairs")
     return pairs
-
-
-def sample_pairs(labels: list[int], max_impostor: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """All genuine pairs and (all or a seeded sample of) impostor pairs over a labelled image list.
-
-    Returns (i, j) index arrays and a boolean `same` array concatenated as columns: shape (P, 3)."""
-    labels_np = np.asarray(labels)
-    n = len(labels_np)
-    i, j = np.triu_indices(n, k=1)
-    same = labels_np[i] == labels_np[j]
-    gen = np.stack([i[same], j[same]], 1)
-    imp = np.stack([i[~same], j[~same]], 1)
-    if len(imp) > max_impostor:
-        imp = imp[np.random.default_rng(seed).choice(len(imp), max_impostor, replace=False)]
-    pairs = np.concatenate([gen, imp])
-    return pairs, np.concatenate([np.ones(len(gen), bool), np.zeros(len(imp), bool)])

@@ -32,7 +32,7 @@ from vtrain import guarded
 from vtrain.config import RunConfig, load_run_config
 from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content, faults
+from vtrain.engine import content, faults, resume_settings
 from vtrain.engine.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.head_shard import ShardedHead
@@ -147,6 +147,7 @@ class Checkpointer:
         notes: list[str] = []
         # no collective inside: a bad file only one rank reads (its head shard) stops every rank with one line
         agreed(lambda: self._check_and_read(path, state, notes))
+        mine = resume_settings.run_settings(self.engine, self.scheduler)  # before the checkpoint replaces them
         if self.reshard_deepspeed:
             self.engine.load_resharded_deepspeed(path, self.out)  # the universal checkpoint route (parallel.py)
         else:
@@ -155,7 +156,10 @@ class Checkpointer:
             problem = f"--resume: {path}: the model's weights hold inf/NaN after loading its {state.engine} state"
             raise VtrainError(problem) if self.is_main else AgreedError(problem)
         self.scheduler.load_state_dict(state.scheduler)
-        self.engine.set_lrs(self.scheduler.get_last_lr())  # LambdaLR.load_state_dict leaves the optimizer alone
+        # this run's LRs, weight decay and betas where the checkpoint's replaced them, each change said in the log
+        # (LambdaLR.load_state_dict leaves the optimizer alone: the LRs are set here)
+        saved_cfg = load_run_config(path / ckpt.CONFIG) if (path / ckpt.CONFIG).is_file() else None
+        notes += resume_settings.apply(mine, self.engine, self.scheduler, saved_cfg, self.cfg, state, self.world)
         self.loop.load_state_dict(state.to_json())
         if state.world_size != self.world:
             notes.append(f"resharded: saved by {state.world_size} processes, resumed on {self.world}")

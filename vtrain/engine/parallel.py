@@ -231,6 +231,10 @@ class ParallelEngine:
             return self.model.optimizer  # the ZeRO wrapper; its param_groups are the ones it steps with
         return self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
 
+    def param_groups(self) -> list[dict]:
+        """The parameter groups of the optimizer that really steps (see `set_lrs`)."""
+        return self._stepping_optimizer().param_groups
+
     def set_lrs(self, lrs: list[float]) -> None:
         """Push the schedule's LRs into the optimizer that really steps. Under DeepSpeed that is not always the
         object the scheduler was built on: after a ZeRO-3 checkpoint load the wrapper holds new param-group

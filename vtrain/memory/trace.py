@@ -116,7 +116,7 @@ def build_model(setup: Setup) -> nn.Module:
     size = setup.image_size[0] if setup.task == "metric" else ModelConfig.image_size  # DINO takes any size
     m = ModelConfig(preset=setup.preset, image_size=size, grad_ckpt=list(setup.grad_ckpt),
                     ffn_recompute=setup.ffn_recompute, ffn_chunk=setup.ffn_chunk,
-                    embedding_dim=setup.embedding_dim, head_parallel=setup.head_parallel,
+                    embedding_dim=setup.embedding_dim, neck_norm=setup.neck_norm, head_parallel=setup.head_parallel,
                     sample_rate=setup.sample_rate)
     model = build_task_model(setup.task, m, setup.num_classes)
     if setup.ffn_units is not None:

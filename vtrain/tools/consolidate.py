@@ -190,7 +190,10 @@ def parse_size(text: str | None) -> int | None:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", text.upper())
     if not m:
         raise VtrainError(f"--max-shard-size: cannot read {text!r} (use e.g. 500MB, 5GB)")
-    return int(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)])
+    size = int(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)])
+    if size < 1:  # 0 would be taken for "no limit" (one file): refused instead
+        raise VtrainError(f"--max-shard-size: must be at least 1 byte, got {text!r}")
+    return size
 
 
 def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,
@@ -218,6 +221,8 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
     if best:
         path = best_checkpoint(path, "CKPT")
     src = detect(path, weights)
+    if backbone_only:
+        _backbone_only_applies(src)
     report = Report(src)
     with guarded.disk_op("create the folder of", out):
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -249,6 +254,17 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
 
     report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return report
+
+
+def _backbone_only_applies(src: Source) -> None:
+    """--backbone-only leaves out the face model's class head: refused for a checkpoint recorded as another task's,
+    whose weights it would write whole."""
+    cfg_path = src.checkpoint / ckpt.CONFIG if src.checkpoint is not None else None
+    if cfg_path is not None and cfg_path.is_file():
+        task = load_run_config(cfg_path).task
+        if task != "metric":
+            raise VtrainError(f"--backbone-only: only for face (metric) checkpoints; {src.checkpoint} is a {task} "
+                              "checkpoint (it has no class head to leave out)")
 
 
 def _with_head(src: Source, backbone_only: bool) -> Iterator[Item]:

@@ -80,24 +80,41 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     return LoadedModel(path, cfg, saved, model, device, ckpt.read_categories(path), used)
 
 
+# `vtrain eval` data flags that only one task's evaluation reads (DataConfig field, flag)
+TASK_FLAGS = {"metric": (("val_path", "--val-data"), ("pairs_file", "--pairs"), ("val_targets", "--val-targets")),
+              "dino": (("val_ann", "--val-ann"), ("val_images", "--val-images"))}
+
+
 def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int | None = None,
                         task_name: str | None = None, save_predictions: str | None = None,
                         weights_choice: str | None = None, overwrite: bool = False) -> tuple[Any, dict]:
     """Returns (task, metrics); metrics["weights"] says which weights were evaluated (ema | model). `data` holds
     DataConfig overrides (path, val_path, pairs_file, val_ann, ...); unset values fall back to the data the run was
     trained on. `weights_choice`: ema, model or None (EMA when present). `save_predictions` is refused when it
-    exists (unless `overwrite`) or lies in a checkpoint, before anything is evaluated."""
+    exists (unless `overwrite`) or lies in a checkpoint, before anything is evaluated; it and the other data flags
+    of one task are refused for the other task's checkpoint. `batch_size`: None is the run's micro-batch."""
+    if batch_size is not None and batch_size < 1:  # 0 is refused, never taken for "not given"
+        raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
     if save_predictions:
         guarded.claim_output([Path(save_predictions)], overwrite, "--save-predictions", ckpt.inside_checkpoint)
     loaded = load_model(checkpoint, task_name, weights_choice=weights_choice)
     saved, cfg = loaded.saved_data, loaded.cfg
     given = {k: v for k, v in data.items() if v is not None}
+    # a flag of the other task's evaluation would be accepted and then ignored: refused, naming the checkpoint's
+    foreign = [flag for key, flag in TASK_FLAGS["metric" if cfg.task == "dino" else "dino"] if given.get(key)]
+    if save_predictions and cfg.task != "dino":  # the metric evaluation writes no predictions
+        foreign.append("--save-predictions")
+    if foreign:
+        raise VtrainError(f"{foreign[0]}: only for {'face (metric)' if cfg.task == 'dino' else 'detection'} "
+                          f"checkpoints; {loaded.path} is a {cfg.task} checkpoint")
     # no --data: the run's own data (and its explicit files); a new --data root: only what is given
     keep = () if "path" in given else ("path", "val_targets", "train_ann", "train_images", "val_ann", "val_images")
+    # the run's own limits and pair counts hold for any data (they are not where the data is)
+    own = ("max_image_pixels", "max_impostor_pairs", "max_genuine_pairs")
     merged = {**{k: saved[k] for k in keep if saved.get(k) is not None}, "max_size": saved.get("max_size"),
-              **({"max_image_pixels": saved["max_image_pixels"]} if saved.get("max_image_pixels") else {}), **given}
+              **{k: saved[k] for k in own if saved.get(k)}, **given}
     cfg = replace(cfg, data=DataConfig(**merged),
-                  train=replace(cfg.train, batch_size=batch_size or cfg.train.batch_size))
+                  train=replace(cfg.train, batch_size=cfg.train.batch_size if batch_size is None else batch_size))
     task = build_task(cfg)
     model = loaded.model
     metrics = task.evaluate(lambda **inputs: model(**inputs), loaded.device, save_predictions=save_predictions)

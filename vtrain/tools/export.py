@@ -8,7 +8,10 @@ written into the model's metadata_props, so a deployment can read them instead o
 Exporter: torch.onnx's default since torch 2.9, the torch.export-based ("dynamo") one. It needs the `onnxscript`
 package (a pure-Python PyPI dependency, offline once installed). The TorchScript exporter (`dynamo=False`) also
 works offline without it but is deprecated and warns on every call, so it is not used. Opset 18 is the lowest
-this exporter writes (onnxruntime reads it from 1.14 on).
+this exporter writes (onnxruntime reads it from 1.14 on). The highest is read from the installed libraries
+(`supported_opsets`): the exporter writes torchlib's opset and converts it with onnxscript's version converter,
+whose range is narrower than onnx's own (onnxscript 0.7: 18..25, onnx 1.23: up to 28); beyond it the exporter falls
+back to onnx's C converter, which leaves an invalid model (attention nodes at the old version).
 
 The output (and its `.data` file) is refused when it exists, unless `--overwrite`, and never written into a
 checkpoint (vtrain/guarded.py). It is written, checked and verified in a fresh hidden folder beside it, then renamed
@@ -68,16 +71,14 @@ def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, ver
     if out.suffix != ".onnx":
         raise VtrainError(f"output {out}: the file name must end in .onnx")
     data = out.with_name(out.name + ".data")  # the weights of a model of >= 2 GiB (protobuf's limit)
+    low, high = supported_opsets()
+    if not low <= opset <= high:
+        raise VtrainError(f"--opset {opset}: the installed exporter writes opsets {low} to {high} (torch's "
+                          "torch.export-based exporter, onnx and onnxscript's version converter)")
     guarded.claim_output([out, data], overwrite, "OUT", ckpt.inside_checkpoint)
     loaded = load_model(checkpoint, "metric", torch.device("cpu"), flag="CHECKPOINT",
                         task_flag="vtrain export (--task metric embedding models only)")
     path, cfg, model = loaded.path, loaded.cfg, loaded.model
-    try:
-        import onnx  # noqa: F401
-        import onnxscript  # noqa: F401  (the torch.export-based exporter's op library)
-    except ImportError as e:
-        raise VtrainError(f"vtrain export needs the `{e.name}` package: pip install onnx onnxscript onnxruntime") \
-            from None
     net = EmbeddingNet(model.backbone, model.neck).eval()
     size, dim = cfg.model.image_size, cfg.model.embedding_dim
     params = sum(p.numel() for p in net.parameters())
@@ -107,7 +108,11 @@ def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, ver
             program.save(work / out.name, external_data=external)
         import onnx
 
-        onnx.checker.check_model(str(work / out.name))
+        try:
+            onnx.checker.check_model(str(work / out.name))
+        except onnx.checker.ValidationError as e:
+            raise VtrainError(f"ONNX export of {path} at opset {opset} is not a valid model: "
+                              f"{str(e).strip().splitlines()[0][:300]}") from None
         diff = _verify(work / out.name, net, size) if verify else None
         with guarded.disk_op("write", out):
             if os.path.lexists(data) and not (work / data.name).exists():
@@ -120,6 +125,26 @@ def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, ver
     return ExportReport(out, path, size, dim, params, external, diff)
 
 
+def supported_opsets() -> tuple[int, int]:
+    """The ai.onnx opsets the installed exporter writes: from torch's exporter minimum to the lowest of onnx's newest
+    opset and onnxscript's version converter maximum (read from the libraries, so an upgrade widens it)."""
+    try:
+        import onnx.defs
+        import onnxscript  # noqa: F401  (the torch.export-based exporter's op library)
+    except ImportError as e:
+        raise VtrainError(f"vtrain export needs the `{e.name}` package: pip install onnx onnxscript onnxruntime") \
+            from None
+    low, high = OPSET, onnx.defs.onnx_opset_version()
+    try:  # not re-exported by onnxscript: read where it is defined, and go without it if it moves
+        from onnxscript.version_converter import _version_converter as converter
+
+        low = max(low, int(converter.SUPPORTED_MIN_ONNX_OPSET))
+        high = min(high, int(converter.SUPPORTED_MAX_ONNX_OPSET))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass
+    return low, high
+
+
 def _verify(out: Path, net: nn.Module, size: int) -> float:
     """Run the file with onnxruntime on a batch the export did not see and compare with PyTorch."""
     try:
@@ -129,7 +154,11 @@ def _verify(out: Path, net: nn.Module, size: int) -> float:
     x = torch.rand(3, 3, size, size, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
         ref = net(x).numpy()
-    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    try:  # an onnxruntime older than the opset: one line, not its traceback
+        sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own pybind exception types
+        raise VtrainError(f"export --verify: onnxruntime {ort.__version__} cannot load {out.name}: "
+                          f"{str(e).strip().splitlines()[0][:300]} (a lower --opset, or --no-verify)") from None
     got = sess.run([OUTPUT], {INPUT: x.numpy()})[0]
     diff = float(abs(got - ref).max())
     scale = float(abs(ref).max()) or 1.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from vtrain import recompute
-from vtrain.config import ModelConfig, build_config, read_yaml
+from vtrain.config import NECK_NORMS, ModelConfig, build_config, check_neck_batch, read_yaml
 from vtrain.ds_json import bucket_sizes, explicit_16bit, read_json, zero_settings
 from vtrain.engine.plan import resolve_precision
 from vtrain.errors import VtrainError
@@ -40,7 +40,7 @@ def parse_image_size(text: str, task: str) -> tuple[int, int]:
 
 def setup_from(*, model=None, task=None, batch_size=None, image_size=None, precision=None, grad_ckpt=None,
                zero=None, fsdp=None, offload=None, gpus=1, num_classes=None, config=None, ds_config=None,
-               head_parallel=None, sample_rate=None, memory_budget=None) -> Setup:
+               head_parallel=None, sample_rate=None, memory_budget=None, neck_norm=None) -> Setup:
     """A Setup from `vtrain train`'s config file (if any), then explicit flags; validated here (CLI boundary).
     `memory_budget` (GiB; or the config's `model.memory_budget` with `grad_ckpt: [auto]`) asks for a recompute
     plan: the Setup's own checkpointing is then empty and the planner fills it."""
@@ -126,4 +126,12 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         raise VtrainError(f"--sample-rate {s.sample_rate}: negative sampling needs --head-parallel sharded")
     if s.head_parallel == "sharded" and s.num_classes < s.gpus:
         raise VtrainError(f"--head-parallel sharded: {s.num_classes} identities cannot be split over {s.gpus} GPUs")
+    if neck_norm is not None:
+        if neck_norm not in NECK_NORMS:
+            raise VtrainError(f"--neck-norm: choose one of {', '.join(NECK_NORMS)}")
+        if s.task != "metric":
+            raise VtrainError("--neck-norm: the embedding neck is the face model's; add --task metric")
+        s.neck_norm = neck_norm
+    if s.task == "metric":
+        check_neck_batch(s.neck_norm, s.batch_size)  # the rule `vtrain train` applies to the same run
     return s

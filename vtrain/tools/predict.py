@@ -48,6 +48,8 @@ from vtrain.tasks.dino import test_sizes
 from vtrain.tasks.metric import flip_embeddings
 from vtrain.tools.evaluate import checkpoint_task, load_model
 
+SCORE_THRESHOLD = 0.3
+"""Detection: the default score a box must reach to be drawn and kept."""
 # distinct colours for up to 20 classes (then repeated): Tableau-20 order, saturated ones first
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
            (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207), (174, 199, 232), (255, 187, 120),
@@ -64,6 +66,8 @@ class PredictReport:
     detections: int = 0
     """Detection: boxes at or above the score threshold, over all images."""
     device: str = "cpu"
+    score_threshold: float | None = None
+    """Detection: the threshold the boxes were kept at."""
 
 
 def find_images(inputs: list[str]) -> list[tuple[Path, str]]:
@@ -125,6 +129,13 @@ def _loader(files: list[Path], load: Callable, batch_size: int, num_workers: int
                       multiprocessing_context=worker_context(num_workers))
 
 
+def _batch(given: int | None, cfg) -> int:
+    """--batch-size, else the run's micro-batch (0 is refused, never taken for "not given")."""
+    if given is not None and given < 1:
+        raise VtrainError(f"--batch-size: must be >= 1, got {given}")
+    return cfg.train.batch_size if given is None else given
+
+
 def _max_pixels(given: int | None, saved_data: dict[str, Any]) -> int:
     """--max-image-pixels, else the run's own limit, else PIL's default."""
     if given is not None and not 1 <= given <= MAX_IMAGE_PIXELS_CEILING:
@@ -161,20 +172,22 @@ def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: st
     _max_pixels(options.get("max_pixels"), {})  # a bad limit is reported before anything is loaded
     task = task or checkpoint_task(checkpoint)
     if task == "metric":
-        options.pop("score_threshold", None)
-        if options.pop("ann", None):
-            raise VtrainError("--ann: only for detection checkpoints")
+        for key, flag in (("ann", "--ann"), ("score_threshold", "--score-threshold")):  # else silently unused
+            if options.pop(key, None) is not None:
+                raise VtrainError(f"{flag}: only for detection checkpoints")
         return predict_embeddings(checkpoint, inputs, out, **options)
     return predict_detection(checkpoint, inputs, out, **options)
 
 
 # ---- detection ------------------------------------------------------------------------------------------------
-def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path, score_threshold: float = 0.3,
+def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path,
+                      score_threshold: float | None = None,
                       batch_size: int | None = None, ann: str | None = None, num_workers: int = 2,
                       max_pixels: int | None = None, overwrite: bool = False) -> PredictReport:
     """Draw and write the detections of every input image (see the module docstring). `ann`: a COCO annotation
     file whose `file_name`s give the image ids (and the class names if the checkpoint has none); otherwise the
     ids are 1..N in input order."""
+    score_threshold = SCORE_THRESHOLD if score_threshold is None else score_threshold
     if not 0.0 <= score_threshold <= 1.0:
         raise VtrainError(f"--score-threshold: must be in [0, 1], got {score_threshold}")
     out = Path(out)
@@ -201,7 +214,7 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
     cat_ids = [c["id"] for c in categories]
     size, max_size = test_sizes(loaded.cfg.model.image_size, loaded.saved_data.get("max_size"))
     load = _DetectionInput(test_transforms(size, max_size), _max_pixels(max_pixels, loaded.saved_data))
-    loader = _loader([f for f, _ in found], load, batch_size or loaded.cfg.train.batch_size, num_workers,
+    loader = _loader([f for f, _ in found], load, _batch(batch_size, loaded.cfg), num_workers,
                      _collate_with_originals, device)
     dets: list[dict[str, Any]] = []
     kept = 0
@@ -218,7 +231,7 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
                 drawn = draw(original, boxes, scores, labels, [c["name"] for c in categories])
                 guarded.replace_file(outputs[i], lambda tmp, img=drawn: write_jpeg(img, str(tmp), quality=95))
     write_json_atomic(out / "predictions.json", dets)
-    return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device))
+    return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device), score_threshold)
 
 
 class _DetectionInput:
@@ -277,7 +290,7 @@ def predict_embeddings(checkpoint: str | Path, inputs: list[str], out: str | Pat
     loaded = load_model(checkpoint, "metric")
     model, device, size = loaded.model, loaded.device, loaded.cfg.model.image_size
     loader = _loader([f for f, _ in found], _EmbeddingInput(size, _max_pixels(max_pixels, loaded.saved_data)),
-                     batch_size or loaded.cfg.train.batch_size, num_workers, None, device)
+                     _batch(batch_size, loaded.cfg), num_workers, None, device)
     chunks = []
     with torch.no_grad():
         for batch in _batches(loader, _progress(len(found), "embed")):
