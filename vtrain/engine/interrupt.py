@@ -88,6 +88,11 @@ class GracefulInterrupt:
         if world > 1:
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
+    def leave_group(self) -> None:
+        """Before the process group is destroyed: hold no reference to it (a group that something still holds
+        keeps its backend's threads running)."""
+        self._group = None
+
     def requested(self) -> int:
         """The signal any rank received (0: none). Collective when distributed."""
         if self._group is None:
