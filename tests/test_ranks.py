@@ -322,9 +322,10 @@ def test_short_two_process_runs_all_exit_0_with_everything_written(faces, tmp_pa
     for i, (acc_cfg, flags) in enumerate(LOOP):
         out = tmp_path / f"run{i}"
         proc = launch(2, "train", "--data", str(faces), "--output-dir", str(out), "--embedding-dim", "16",
-                      "--head", "cosface", "--batch-size", "8", "--log-every", "1", "--max-steps", "2", "--save-every", "2",
-                      "--eval-every", "2", *(["--num-workers", "0"] if "--num-workers" not in flags else []),
-                      *flags, accelerate_config=acc_cfg, timeout=HANG)
+                      "--head", "cosface", "--batch-size", "8", "--log-every", "1", "--max-steps", "2",
+                      "--save-every", "2", "--eval-every", "2",
+                      *(["--num-workers", "0"] if "--num-workers" not in flags else []), *flags,
+                      accelerate_config=acc_cfg, timeout=HANG)
         text = proc.stdout + proc.stderr
         assert proc.returncode == 0 and "terminate called" not in text, f"run {i}: exit {proc.returncode}\n" + \
             text[-6000:]
