@@ -7,12 +7,16 @@ tools, models) inside its function, after the checks that need none of them."""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
 import os
 import sys
+import threading
+import traceback
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -414,15 +418,61 @@ def presets() -> None:
 
 
 def _leave_gloo_group() -> None:
-    """A gloo process group left to interpreter exit can abort the process (SIGABRT, 'terminate called without an
-    active exception'), which turns a rank's one-line error into a launcher traceback. Only gloo, and only when
-    torch is loaded already: a plain flag error must not pay for importing it."""
+    """After an error: leave a gloo process group now, while every object it serves is alive (an NCCL one is left
+    alone: destroying it while another rank may still wait in a collective can hang). Only when torch is loaded
+    already: a plain flag error must not pay for importing it."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.destroy_process_group()
+        sys.modules["vtrain.dist"].leave()
+
+
+def _groups_left() -> int:
+    """How many process groups this process has left (vtrain.dist.leave), plus one if a group is still open."""
+    vdist, tdist = sys.modules.get("vtrain.dist"), sys.modules.get("torch.distributed")
+    still_open = tdist is not None and tdist.is_available() and tdist.is_initialized()
+    return (vdist.groups_left() if vdist is not None else 0) + int(still_open)
+
+
+def _exit(code: int, groups_before: int) -> NoReturn:
+    """End the command with `code`. A command that ran a process group ends without interpreter teardown, once
+    everything is flushed: the native threads of its backends (gloo's, DeepSpeed's) outlive
+    destroy_process_group while any object still holds them, and one that takes the GIL during teardown is ended
+    by Python 3.11 with pthread_exit, whose unwinding aborts the process ("terminate called without an active
+    exception", SIGABRT) after a run that succeeded (docs/safety.md, "What the file rules rely on"). What a normal
+    exit would still do runs first: the non-daemon threads are joined, the atexit handlers run (the output
+    directory's lock, logging), Python's and C's stdio buffers are flushed."""
+    if _groups_left() == groups_before:
+        sys.exit(code)
+    main_thread = threading.main_thread()
+    for t in threading.enumerate():
+        if t is not main_thread and not t.daemon:
+            t.join()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
+                pass
+        ctypes.CDLL(None).fflush(None)  # what native code printed through C's stdio
+        os._exit(code)
 
 
 def main() -> None:
+    groups = _groups_left()  # the caller's own (a test calling main in its process): never ended here
+    try:
+        code = _run()
+    except Exception:
+        if _groups_left() == groups:
+            raise
+        traceback.print_exc()  # what the interpreter prints for an uncaught exception, then exit 1
+        code = 1
+    _exit(code, groups)
+
+
+def _run() -> int:
+    """The command, and its exit code: every user error is one `error: ...` line and 2."""
     # Every user error is one `error: ...` line and exit 2: Click's usage errors (an unknown option, `--seed abc`)
     # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
     # errors reach us instead of being drawn as a multi-line box (Typer >= 0.26 vendors Click as typer._click).
@@ -434,19 +484,19 @@ def main() -> None:
     except NoArgsIsHelpError as e:  # `vtrain` alone: the help text (Typer's rich help is already printed)
         if e.format_message().strip():
             e.show()
-        sys.exit(e.exit_code)
+        return e.exit_code
     except ClickException as e:
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         print(f"error: {' '.join(e.format_message().split())}{hint}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        return e.exit_code
     except typer.Abort:
-        sys.exit(1)
+        return 1
     except VtrainError as e:
         if not getattr(e, "quiet", False):  # an error rank 0 reports for all ranks
             print(f"error: {e}", file=sys.stderr)
         _leave_gloo_group()
-        sys.exit(2)
+        return 2
     except OSError as e:
         # the environment (a full or read-only disk, a missing permission) at a write that no disk_op names
         # (vtrain/guarded.py): still one line with the path, never a traceback; any other error stays one
@@ -455,12 +505,12 @@ def main() -> None:
         print(f"error: {e.strerror}: {e.filename or 'a file'} (during `vtrain {' '.join(sys.argv[1:2])}`)",
               file=sys.stderr)
         _leave_gloo_group()
-        sys.exit(2)
+        return 2
     except TrainingInterrupted as e:
         if os.environ.get("RANK", "0") == "0":
             print(str(e), file=sys.stderr)
-        sys.exit(e.code)
-    sys.exit(code if isinstance(code, int) else 0)
+        return e.code
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -147,8 +147,19 @@ def agreed(fn: Callable[[], T]) -> T:
     return result  # type: ignore[return-value]
 
 
+_groups_left = 0
+
+
 def leave() -> None:
-    """Destroy the default process group, if any: a gloo group torn down at interpreter exit can abort the process
-    ('terminate called without an active exception') after a successful run."""
+    """Destroy the default process group (and every other one), if any, while the objects it serves are alive.
+    Its backends' threads may still run afterwards (an object that holds a backend keeps it): the CLI ends such a
+    process without interpreter teardown (cli._exit)."""
+    global _groups_left
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        _groups_left += 1
+
+
+def groups_left() -> int:
+    """How many times this process left a process group (`leave`)."""
+    return _groups_left

@@ -237,6 +237,7 @@ class Checkpointer:
         step = loop["step"]
         tmp = ckpt.tmp_path(self.out, step)
         write = guarded.Writes()
+        faults.file_size_limit(step, self.rank)
         write("create", tmp, ckpt.begin, self.out, step, self.is_main)
         self.accelerator.wait_for_everyone()  # the staging folder exists (and is empty) before any rank writes
         self.engine.sync_buffers()  # collective: what is saved is what every rank continues with

@@ -28,3 +28,18 @@ def nonfinite(what: str, step: int) -> bool:
     turns a weight into inf after step N (what an overflowing update does)."""
     kind, _, at = os.environ.get("VTRAIN_DEBUG_NONFINITE", "").partition("@")
     return kind == what and at.isdigit() and step >= int(at)
+
+
+def file_size_limit(step: int, rank: int) -> None:
+    """For the full-disk tests of a multi-process save: `VTRAIN_DEBUG_FILE_LIMIT_IN_SAVE=N[@RANK][:BYTES]` sets
+    this process's file size limit (RLIMIT_FSIZE, default 4096 bytes) at the start of the save of step N (on every
+    rank, or only on RANK), with SIGXFSZ ignored: every write that would cross it fails with EFBIG, as on a full
+    disk, from that point on."""
+    spec, _, size = os.environ.get("VTRAIN_DEBUG_FILE_LIMIT_IN_SAVE", "").partition(":")
+    at, _, who = spec.partition("@")
+    if at == str(step) and who in ("", str(rank)):
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        limit = int(size or 4096)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

@@ -23,6 +23,7 @@ from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import precision as prec
 from vtrain.engine.active import active_facts, verify_active
 from vtrain.engine.compile import compiled_blocks
+from vtrain.engine.ds_writes import guarded_save
 from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
@@ -296,7 +297,12 @@ class ParallelEngine:
         return {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in sd.items()}
 
     def save(self, path: Path) -> None:
-        """Model + optimizer + per-rank RNG. Collective."""
+        """Model + optimizer + per-rank RNG. Collective; a failed write is raised once every rank has run every
+        collective of the save (DeepSpeed's own writes: ds_writes.py; DCP collects every rank's error)."""
+        if self.plan.kind == "deepspeed":
+            with guarded_save(self.model, path / ckpt.ACCELERATE, ckpt.DS_TAG) as ds_kwargs:
+                self.accelerator.save_state(str(path / ckpt.ACCELERATE), safe_serialization=True, **ds_kwargs)
+            return
         self.accelerator.save_state(str(path / ckpt.ACCELERATE), safe_serialization=True)
         if self.plan.kind == "fsdp":
             import torch.distributed.checkpoint as dcp

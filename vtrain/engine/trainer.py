@@ -357,11 +357,12 @@ class Trainer:
             self.logger.info(f"epoch {epoch}: skipped {len(bad)} unreadable images, e.g. {bad[0]}")
 
     def close(self) -> None:
-        """Leave the process group cleanly: a gloo group torn down at interpreter exit can abort the process
-        ('terminate called without an active exception') after a successful run."""
+        """Leave the process group while every object it serves is alive (the CLI then ends the process without
+        interpreter teardown: cli._exit)."""
         self.accelerator.wait_for_everyone()
         if self.lock is not None:
             self.lock.release()
+        self.interrupt.leave_group()
         leave()
 
     def _log(self, epoch: int, window: StatsWindow, timer: StepTimer) -> None:
