@@ -396,6 +396,19 @@ def _(c):
     return ["consolidate", str(c.step(2)), str(c.out / "m.safetensors")]
 
 
+@case("consolidate-top-level-copy-claims-more-than-it-holds", "model.safetensors is not a readable safetensors file",
+      "do not fit the file")
+def _(c):
+    f = c.step(2) / "model.safetensors"
+    n = int.from_bytes(f.read_bytes()[:8], "little")
+    header = json.loads(f.read_bytes()[8:8 + n])
+    header["head.weight"]["shape"] = [2**40, 2**20]  # offsets no longer match: never allocated, never read
+    raw = json.dumps(header).encode()
+    f.write_bytes(len(raw).to_bytes(8, "little") + raw + f.read_bytes()[8 + n:])
+    reseal(c.step(2))
+    return ["consolidate", str(c.step(2)), str(c.out / "m.safetensors")]
+
+
 @case("tensorboard-disk-full-at-start", "cannot start tensorboard", "File too large")
 def _(c):
     c.options["file_size_limit"] = 2000  # config.yaml (1.4 kB) passes, TensorBoard's hparams event (4 kB) not

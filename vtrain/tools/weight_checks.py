@@ -6,13 +6,17 @@ tensor at a time with small temporaries, so consolidation's memory stays about o
 from __future__ import annotations
 
 import itertools
+import json
+import math
+import os
 from pathlib import Path
 
 import torch
 
+from vtrain.engine import content
 from vtrain.errors import VtrainError
 
-CAST_CHUNK = 2**24  # elements per slice of the cast-and-scan: its temporaries stay at a few tens of MB
+CAST_CHUNK = 2**20  # elements per slice of the cast-and-scan: its temporaries (one bool mask) stay at 1 MiB
 
 
 def cast_checked(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
@@ -26,11 +30,11 @@ def cast_checked(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int
     before = after = 0
     for i in range(0, src.numel(), CAST_CHUNK):
         piece = src[i:i + CAST_CHUNK]
-        before += int((~torch.isfinite(piece)).sum())
+        before += piece.numel() - int(torch.isfinite(piece).sum())
         if out is not t:
             cast = dst[i:i + CAST_CHUNK]
             cast.copy_(piece)
-            after += int((~torch.isfinite(cast)).sum())
+            after += cast.numel() - int(torch.isfinite(cast).sum())
     return out, before, after if out is not t else before
 
 
@@ -47,20 +51,15 @@ class SecondCopy:
         self.path, self.file, self.engine_copy = path, None, engine_copy
         self.difference: str | None = None
         if path is not None:
-            from safetensors import safe_open
-
-            try:
-                self.file = safe_open(str(self.path), "pt")
-            except Exception as e:  # verified against its manifest already: a file that is no safetensors
-                raise VtrainError(f"CKPT: {self.path} is not a readable safetensors file ({e})") from None
-            self.names = set(self.file.keys())
+            self.file = _TensorFile(path)
+            self.names = set(self.file.entries)
 
     def compare(self, name: str, t: torch.Tensor) -> None:
         """`t`, the engine's copy of tensor `name`, against model.safetensors; the first difference is kept for
         `check` (a tensor of the wrong shape is first judged by the model check, which names the model it misfits)."""
         if self.file is None or name not in self.names or self.difference is not None:
             return
-        saved = self.file.get_tensor(name)
+        saved = self.file.get(name)
         if _same(t, saved):
             return
         if t.shape != saved.shape or t.is_floating_point() != saved.is_floating_point():
@@ -78,7 +77,50 @@ class SecondCopy:
             raise VtrainError(self.difference)
 
     def close(self) -> None:
-        self.file = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class _TensorFile:
+    """A safetensors file read one tensor at a time with plain reads (its documented layout: an 8-byte little-endian
+    header length, a JSON header of dtype, shape and data offsets, the data). Not memory-mapped as `safe_open` is:
+    pages of a mapped file count in the process's resident memory for as long as it is open, which would add the
+    whole file to consolidation's peak; read pages stay in the page cache only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.f = open(path, "rb")
+        try:
+            size = os.fstat(self.f.fileno()).st_size
+            n = int.from_bytes(self.f.read(8), "little")
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(self.f.read(n))
+            header.pop("__metadata__", None)
+            self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+            for name, e in header.items():
+                dtype, shape, (start, end) = content.DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
+                nbytes = math.prod(shape) * dtype.itemsize
+                if not (all(type(d) is int and d >= 0 for d in shape) and type(start) is int
+                        and end == start + nbytes and 8 + n + end <= size):
+                    raise ValueError(f"tensor {name}: its shape and offsets do not fit the file")
+                self.entries[name] = (dtype, shape, 8 + n + start)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            self.f.close()
+            raise VtrainError(f"CKPT: {path} is not a readable safetensors file ({e})") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        dtype, shape, offset = self.entries[name]
+        t = torch.empty(shape, dtype=dtype)
+        view = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        self.f.seek(offset)
+        if self.f.readinto(view) != view.nbytes:
+            raise VtrainError(f"CKPT: {self.path}: tensor {name} is cut short")
+        return t
+
+    def close(self) -> None:
+        self.f.close()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
