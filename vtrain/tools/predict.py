@@ -219,7 +219,7 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
                 drawn = draw(original, boxes, scores, labels, [c["name"] for c in categories])
                 # encoded here and written by vtrain's checked writer: torchvision's write_jpeg ignores a short
                 # write, leaving a truncated JPEG under its final name with no error (guarded.py)
-                guarded.write_bytes(outputs[i], encode_jpeg(drawn, quality=95).numpy())
+                guarded.write_bytes(outputs[i], memoryview(encode_jpeg(drawn, quality=95).numpy()))
     write_json_atomic(out / "predictions.json", dets)
     return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device))
 
