@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from conftest import ROOT, launch, reseal
 from test_bad_input import tree_hash
 from test_hostile_data import Cli
+from vtrain.engine import rundir
 
 METRIC = ["--batch-size", "4", "--num-workers", "0", "--embedding-dim", "16", "--mixed-precision", "no",
           "--head-parallel", "sharded", "--ema-decay", "0.9"]
@@ -435,8 +436,9 @@ def test_checkpoint_content(name, prior, tmp_path):
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert rc != 0 and len(lines) == 1, shown
         text = lines[0]
-        # a new run writes its config.yaml first, as every run does; no checkpoint, staged or complete
-        left = [p for p in c.out.rglob("*") if (p.is_file() and p != c.out / "new" / "config.yaml")
+        # a new run writes its run marker and config.yaml first, as every run does; no checkpoint, staged or complete
+        left = [p for p in c.out.rglob("*") if (p.is_file() and p not in (c.out / "new" / "config.yaml",
+                                                                        c.out / "new" / rundir.MARKER))
                 or p.name.startswith(".tmp-step_")]
         assert not left, f"a failed command left {left}"
     for n in spec.needles:

@@ -55,7 +55,8 @@ def test_injected_inf_buffer_is_flagged_and_nothing_is_written(run, tmp_path):
     sd = load_file(str(f))
     sd["neck.norm.running_var"][3] = float("inf")  # the fp16 running_var overflow users hit
     sd["head.weight"][0, :2] = float("nan")
-    save_file(sd, str(f))
+    for copy in (f, bad / "model.safetensors"):  # both copies of the weights, as a save of such a model writes them
+        save_file(sd, str(copy))
     reseal(f.parents[1])
     out = tmp_path / "out.safetensors"
     proc = vtrain("consolidate", str(bad), str(out))

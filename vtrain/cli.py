@@ -282,17 +282,21 @@ def consolidate_cmd(
             console.print(f"  note: {note}", soft_wrap=True)
         console.print(f"peak RSS {report.peak_rss_mb:.0f} MiB", soft_wrap=True)
     if report.offenders:
+        # what is written, after the cast: "by the cast" counts values finite in the checkpoint beyond --dtype's range
         t = Table(title="non-finite values")
-        for col in ("tensor", "dtype", "inf/NaN", "of", "buffer"):
+        for col in ("tensor", "dtype", "inf/NaN", "by the cast", "of", "buffer"):
             t.add_column(col)
         for o in report.offenders:
-            t.add_row(o.name, o.dtype, str(o.nonfinite), str(o.numel), "yes" if o.is_buffer else "")
+            t.add_row(o.name, o.dtype, str(o.nonfinite), str(o.overflow), str(o.numel), "yes" if o.is_buffer else "")
         console.print(t)
+        cast = sum(o.overflow > 0 for o in report.offenders)
+        why = (f" ({cast} of them only after the cast to {dtype}: values beyond its range; --dtype bf16 or fp32 "
+               "keeps them)" if cast else "")
         if not allow_nonfinite:
-            raise VtrainError(f"{len(report.offenders)} tensors hold inf/NaN; {out} was not written "
+            raise VtrainError(f"{len(report.offenders)} tensors hold inf/NaN as written{why}; {out} was not written "
                               "(--allow-nonfinite writes it anyway)")
     else:
-        console.print("every tensor is finite")
+        console.print("every tensor is finite as written")
     for f in report.files:
         console.print(f"wrote {f}", soft_wrap=True)
 

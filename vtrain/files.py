@@ -38,9 +38,10 @@ def cache_root() -> Path:
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write `text` to `path` through a fresh hidden temp file beside it and a rename, so a reader (or a crash)
-    never sees half a file and a link at `path` is replaced, never written through (guarded.replace_file); the
-    parent directory is created when missing. A full or read-only disk is one line naming `path`."""
-    guarded.replace_file(path, lambda tmp: tmp.write_text(text))
+    never sees half a file and a link at `path` is replaced, never written through; every byte is checked to be on
+    disk before the rename (guarded.write_bytes). The parent directory is created when missing. A full or read-only
+    disk is one line naming `path`."""
+    guarded.write_bytes(path, text.encode())
 
 
 def write_json_atomic(path: str | Path, obj: Any, indent: int | None = None) -> None:

@@ -1,15 +1,25 @@
-"""What vtrain may delete or replace, and one line for every environment error while it writes (issue 18 §1, §4).
+"""What vtrain may delete or replace, the one checked way it writes a file, and one line for every environment error
+while it writes.
 
-Confinement. Inside a run directory, vtrain deletes and replaces only real files and folders: every part of the
-path below the run directory is checked to be no symbolic link before anything is deleted, so a checkpoint folder,
-a `checkpoints/` folder or a file inside a checkpoint that points elsewhere (another run, an archive) is left alone
-and named, never followed. The check is made right before each delete; it does not defend against a process that
-swaps a folder for a link in between (vtrain's lock keeps other vtrain runs out, not other users).
+Confinement. Inside a run directory, vtrain deletes and replaces only real files and folders of that directory's
+own file system: every part of the path below the run directory is checked to be neither a symbolic link nor a
+mount point (a bind mount of an archive or of another run, another file system) before anything is deleted, so a
+checkpoint folder, a `checkpoints/` folder or a file inside a checkpoint that leads elsewhere is left alone and named,
+never followed (`crossing_in`). A folder deleted whole is first searched for mount points inside it. The checks are
+made right before each delete; they do not defend against a process that swaps a folder for a link or mounts
+something in between (vtrain's lock keeps other vtrain runs out, not other users).
 
 Outputs a user names (`consolidate OUT`, `predict --out`, `export OUT`, `eval --save-predictions`): an existing
 target is refused without `--overwrite`, a target inside a checkpoint is refused always (the caller says what a
-checkpoint is: this module is below the format), and the file is written beside its target under a fresh name and
-renamed over it. A link at the target is therefore replaced, never written through.
+checkpoint is: this module is below the format), and so is one that exists and is not a regular file (a FIFO, a
+device, a socket, or a symbolic link to one: replacing `/dev/null` would replace the system's node, and a link to a
+FIFO was set up to be written through). The file is written beside its target under a fresh name and renamed over
+it: a link at the target (dangling, or to a regular file or folder) is replaced, never written through.
+
+Writing. Every file vtrain writes itself goes through `replace_file`; bytes vtrain holds go through `write_bytes`,
+which checks that the file on disk holds every byte before the rename. Libraries that write a file themselves are
+used only where they report a failed or short write (torch.save, safetensors, Python's own file objects); an
+encoder that does not (torchvision's `write_jpeg` ignores what `fwrite` returns) is replaced by encoding to bytes.
 
 Environment errors. A write can fail because the disk is full, a quota or file size limit is reached, the file
 system is read-only, or a permission is missing; the libraries report that in their own ways: `OSError` (Python),
@@ -26,6 +36,7 @@ import os
 import re
 import resource
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,14 +57,39 @@ _OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)|\[Errno (\d+)\]")
 
 
 class Refused(VtrainError):
-    """A path vtrain will not delete or write through: a symbolic link, or a checkpoint's own file."""
+    """A path vtrain will not delete, replace or write through: a symbolic link, a mount point, a checkpoint's own
+    file, or something that is not a regular file."""
 
 
 # ---- confinement --------------------------------------------------------------------------------------------------
 
-def link_in(root: str | Path, path: str | Path) -> Path | None:
-    """The first part of `path` below `root` (`path` itself included, `root` not: the user named it) that is a
-    symbolic link; None when every part is real. A `path` that is not below `root` is refused."""
+def mount_points() -> frozenset[str]:
+    """Every mount point this process sees (`/proc/self/mountinfo`, Linux), as real paths; empty where that file
+    does not exist. A bind mount on the same file system has the device id of its parent, so `os.path.ismount`
+    misses it; the kernel's own list names it."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return frozenset()
+    # field 5 is the mount point, with space, tab, newline and backslash written as octal escapes (proc(5))
+    unescape = lambda m: bytes([int(m.group(1), 8)])  # noqa: E731
+    return frozenset(os.fsdecode(re.sub(rb"\\([0-7]{3})", unescape, fields[4])) for line in lines
+                     if len(fields := line.split(b" ")) > 4)
+
+
+def is_mount(path: str | Path, mounts: frozenset[str] | None = None) -> bool:
+    """Whether `path` (no symbolic link itself) is a mount point: another device than its parent, or listed by the
+    kernel (`mounts`, read when not given)."""
+    if os.path.ismount(path):
+        return True
+    return os.path.realpath(path) in (mount_points() if mounts is None else mounts)
+
+
+def crossing_in(root: str | Path, path: str | Path) -> Path | None:
+    """The first part of `path` below `root` (`path` itself included, `root` not: the user named it) that leads out
+    of the run's own tree: a symbolic link or a mount point; None when every part is real. A `path` that is not
+    below `root` is refused."""
     root, path = Path(root), Path(path)
     try:
         rel = path.relative_to(root)
@@ -61,27 +97,48 @@ def link_in(root: str | Path, path: str | Path) -> Path | None:
         raise Refused(f"{path} is outside {root}; not touching it") from None
     if ".." in rel.parts:
         raise Refused(f"{path} leaves {root}; not touching it")
-    p = root
+    p, mounts = root, None
     for part in rel.parts:
         p = p / part
         if p.is_symlink():
             return p
+        if not os.path.lexists(p):  # nothing below a missing part exists either
+            return None
+        mounts = mount_points() if mounts is None else mounts
+        if is_mount(p, mounts):
+            return p
     return None
 
 
-def describe_link(link: Path) -> str:
+def describe_crossing(path: Path) -> str:
+    """`path` (a `crossing_in` result) in words: a link and its target, or a mount point."""
+    if not path.is_symlink():
+        return f"{path} is a mount point (another file system, or a bind mount of another folder)"
     try:
-        return f"{link} is a symbolic link (to {os.readlink(link)})"
+        return f"{path} is a symbolic link (to {os.readlink(path)})"
     except OSError:
-        return f"{link} is a symbolic link"
+        return f"{path} is a symbolic link"
+
+
+def mounts_below(top: str | Path) -> list[Path]:
+    """The mount points inside the folder `top` (files and folders; links are not followed)."""
+    mounts, found = mount_points(), []
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            p = Path(dirpath, name)
+            if not p.is_symlink() and is_mount(p, mounts):
+                found.append(p)
+        dirnames[:] = [d for d in dirnames if Path(dirpath, d) not in found]  # never descend into one
+    return found
 
 
 def unlink(root: str | Path, path: str | Path) -> str | None:
-    """Delete the file `path` below `root` if it and every folder above it (up to `root`) is real. Returns a note
-    naming what was left alone (a link), or None. A missing file is no error."""
-    link = link_in(root, path)
-    if link is not None:
-        return f"{describe_link(link)}: left alone"
+    """Delete the file `path` below `root` if it and every folder above it (up to `root`) is real and on the run's
+    own file system. Returns a note naming what was left alone (a link, a mount point), or None. A missing file is
+    no error."""
+    crossing = crossing_in(root, path)
+    if crossing is not None:
+        return f"{describe_crossing(crossing)}: left alone"
     with disk_op("delete", path):
         Path(path).unlink(missing_ok=True)
     return None
@@ -89,21 +146,30 @@ def unlink(root: str | Path, path: str | Path) -> str | None:
 
 def rmtree(root: str | Path, path: str | Path) -> None:
     """Delete the folder `path` below `root` and what it holds (links inside are removed, never followed); refused
-    when `path` or a folder above it is a link. A missing folder is no error."""
-    link = link_in(root, path)
-    if link is not None:
-        raise Refused(f"{describe_link(link)}; vtrain deletes only real folders inside its run directory: remove "
-                      "the link yourself")
+    when `path` or a folder above it is a link or a mount point, or a mount point lies inside it (shutil.rmtree would
+    delete what is mounted there). A missing folder is no error."""
+    crossing = crossing_in(root, path)
+    if crossing is None and Path(path).is_dir():
+        crossing = next(iter(mounts_below(path)), None)
+    if crossing is not None:
+        raise Refused(f"{describe_crossing(crossing)}; vtrain deletes only real folders inside its run directory: "
+                      "remove the link or unmount it yourself")
     if os.path.lexists(path):
         with disk_op("delete", path):
             shutil.rmtree(path)
 
 
 def remove_empty_dirs(root: str | Path, top: str | Path) -> None:
-    """Remove the real, empty folders under `top` (and `top`), deepest first; links are never followed."""
-    if link_in(root, top) is not None or not Path(top).is_dir():
+    """Remove the real, empty folders under `top` (and `top`), deepest first; links and mount points are never
+    entered."""
+    if crossing_in(root, top) is not None or not Path(top).is_dir():
         return
-    for dirpath, _, _ in os.walk(top, topdown=False):  # os.walk does not descend into links
+    mounts = set(mounts_below(top))
+    found = []
+    for dirpath, dirnames, _ in os.walk(top):  # os.walk does not descend into links
+        dirnames[:] = [d for d in dirnames if Path(dirpath, d) not in mounts]
+        found.append(dirpath)
+    for dirpath in reversed(found):
         try:
             os.rmdir(dirpath)
         except OSError:  # not empty: something stays there
@@ -123,11 +189,32 @@ def utf8_problem(path: str | Path) -> str | None:
     return None
 
 
+def not_regular(path: str | Path) -> str | None:
+    """What `path` is when it exists and vtrain must not replace it: a FIFO, a device, a socket, or a symbolic link
+    to one of these (in words); None for a regular file, a folder, a link to either, a dangling link or nothing."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    link = stat.S_ISLNK(mode)
+    if link:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:  # dangling: replacing the link touches nothing behind it
+            return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+            "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    return f"a symbolic link to {kind} ({os.readlink(path)})" if link else kind
+
+
 def claim_output(targets: list[Path], overwrite: bool, flag: str,
                  inside_checkpoint: Callable[[Path], Path | None]) -> None:
     """The one rule for files a command writes where the user said (`targets`: every file it will write). Never
-    into a checkpoint, even with --overwrite (links resolved: a link to a checkpoint's file is that file); an
-    existing target only with --overwrite; a path safetensors could not read back, never."""
+    into a checkpoint, even with --overwrite (links resolved: a link to a checkpoint's file is that file); never over
+    a FIFO, a device or a socket (or a link to one), even with --overwrite; an existing target only with
+    --overwrite; a path safetensors could not read back, never."""
     for t in targets:
         problem = utf8_problem(t)
         if problem is not None:
@@ -138,6 +225,10 @@ def claim_output(targets: list[Path], overwrite: bool, flag: str,
                               "checkpoint (it would no longer verify): choose another path")
         if t.is_dir() and not t.is_symlink():
             raise VtrainError(f"{flag}: {t} is a folder; give a file name")
+        kind = not_regular(t)
+        if kind is not None:
+            raise VtrainError(f"{flag}: {t} is {kind}, not a regular file; vtrain replaces only regular files, "
+                              "even with --overwrite: choose another path")
     existing = [t for t in targets if os.path.lexists(t)]
     if existing and not overwrite:
         raise VtrainError(f"{flag}: {existing[0]} exists; --overwrite replaces it")
@@ -146,9 +237,13 @@ def claim_output(targets: list[Path], overwrite: bool, flag: str,
 def replace_file(path: str | Path, write: Callable[[Path], T], what: str = "write") -> T:
     """Write `path` through `write(tmp)` on a fresh hidden name beside it (created exclusively, so nothing left
     there is written through), then rename it over `path` (a link at `path` is replaced, its target untouched).
-    On any error the temp file is removed and `path` is as it was; an environment error is one line."""
+    Never over a FIFO, a device or a socket (`not_regular`). On any error the temp file is removed and `path` is as
+    it was; an environment error is one line."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    kind = not_regular(path)
+    if kind is not None:
+        raise Refused(f"cannot {what} {path}: it is {kind}, not a regular file; vtrain replaces only regular files")
     try:
         with disk_op(what, path):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +254,23 @@ def replace_file(path: str | Path, write: Callable[[Path], T], what: str = "writ
     finally:
         if os.path.lexists(tmp):
             tmp.unlink()
+
+
+def write_bytes(path: str | Path, data: bytes | bytearray | memoryview, what: str = "write") -> None:
+    """`data` into `path` (`replace_file`), every byte accounted for: the file on disk must hold exactly
+    len(data) bytes before it is renamed into place, else the write is an error naming the path and what is
+    missing (a writer that ignores a short write, as C's fwrite callers may, could leave a truncated file)."""
+    want = memoryview(data).nbytes
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)  # Python's file object raises on a failed or short write (EFBIG, ENOSPC, EIO)
+            f.flush()
+            size = os.fstat(f.fileno()).st_size
+        if size != want:
+            raise OSError(errno.EIO, f"the file holds {size} of {want} bytes after writing")
+
+    replace_file(path, write, what)
 
 
 # ---- environment errors -------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ optional "data_limit_mb" in "start" caps the child's data segment (RLIMIT_DATA) 
 inherited, so a command that would allocate gigabytes fails fast instead of exhausting a shared machine. An optional
 "file_size_limit" (bytes) is a full disk as a write sees it (RLIMIT_FSIZE with SIGXFSZ ignored: the write that
 crosses it fails with EFBIG), and "read_only" lists folders that the child alone sees read-only (a private mount
-namespace with read-only bind mounts: root only), so the command meets EROFS as on a read-only file system.
+namespace with read-only bind mounts: root only), so the command meets EROFS as on a read-only file system. "bind"
+lists [source, target] pairs the child alone sees bind-mounted (same private namespace): a folder of a run that is
+really another folder, as a bind mount of an archive would make it; the mounts end with the child.
 """
 
 import atexit
@@ -37,11 +39,13 @@ def _limit_data(extra_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
-def _read_only(paths: list[str]) -> None:
+def _private_mounts(read_only: list[str], binds: list[list[str]]) -> None:
     if ctypes.CDLL(None, use_errno=True).unshare(0x00020000):  # CLONE_NEWNS: mounts seen by this process alone
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
     subprocess.run(["mount", "--make-rprivate", "/"], check=True)  # nothing propagates back to the machine
-    for p in paths:
+    for source, target in binds:
+        subprocess.run(["mount", "--bind", source, target], check=True)
+    for p in read_only:
         subprocess.run(["mount", "--bind", p, p], check=True)
         subprocess.run(["mount", "-o", "remount,bind,ro", p], check=True)
 
@@ -49,8 +53,8 @@ def _read_only(paths: list[str]) -> None:
 def _child(case: dict) -> int:
     if case.get("data_limit_mb"):
         _limit_data(case["data_limit_mb"])
-    if case.get("read_only"):
-        _read_only(case["read_only"])
+    if case.get("read_only") or case.get("bind"):
+        _private_mounts(case.get("read_only") or [], case.get("bind") or [])
     if case.get("file_size_limit"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
         resource.setrlimit(resource.RLIMIT_FSIZE, (case["file_size_limit"],) * 2)

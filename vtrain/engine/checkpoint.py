@@ -7,8 +7,9 @@ consolidate verify it and name a damaged file; `--resume auto` falls back to the
 A run prunes only checkpoints whose manifest carries its own run id (carried across `--resume`), and deletes only
 the files its manifest lists: a directory without a manifest, another run's checkpoint or a file a user put
 inside a checkpoint is never deleted. Only real folders are this run's checkpoints: a `step_<N>` that is a
-symbolic link is never read as one, pruned or deleted, and a listed file that is a link (or lies below one) is
-left alone when pruning and fails verification (vtrain/guarded.py). Every field of the JSON files is checked when
+symbolic link or a mount point (a bind mount of an archive or another run) is never read as one, pruned or deleted,
+and a listed file that is a link or a mount point (or lies below one) is left alone when pruning and fails
+verification (vtrain/guarded.py). Every field of the JSON files is checked when
 read (vtrain/records.py). Rank 0 alone renames, prunes and writes shared files; every rank writes its own shards
 (DeepSpeed, FSDP2) into the same temp dir (a shared filesystem across nodes is assumed).
 
@@ -122,12 +123,14 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def _step_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """(N, path) of every real `step_<N>` folder of a run, oldest first (a link is not this run's)."""
+    """(N, path) of every real `step_<N>` folder of a run, oldest first (a link or a mount point is not this
+    run's)."""
     root = checkpoint_dir(output_dir)
     if not root.is_dir():
         return []
-    return sorted((int(m.group(1)), p) for p in root.iterdir()
-                  if (m := _STEP_RE.match(p.name)) and not p.is_symlink() and p.is_dir())
+    mounts = guarded.mount_points()
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name))
+                  and not p.is_symlink() and p.is_dir() and not guarded.is_mount(p, mounts))
 
 
 def complete_checkpoints(output_dir: str | Path, run_id: str | None = None) -> list[Path]:
@@ -143,17 +146,21 @@ def marked_checkpoints(output_dir: str | Path) -> list[Path]:
 
 
 def linked_entries(output_dir: str | Path) -> list[str]:
-    """One note per link among the checkpoints of a run: never read, pruned or deleted as the run's own."""
+    """One note per link or mount point among the checkpoints of a run: never read, pruned or deleted as the run's
+    own."""
     root = checkpoint_dir(output_dir)
     if root.is_symlink() or not root.is_dir():
         return []
-    return [f"{guarded.describe_link(p)}: not this run's; left alone (never resumed, pruned or deleted)"
-            for p in sorted(root.iterdir()) if p.is_symlink() and _STEP_RE.match(p.name)]
+    mounts = guarded.mount_points()
+    return [f"{guarded.describe_crossing(p)}: not this run's; left alone (never resumed, pruned or deleted)"
+            for p in sorted(root.iterdir())
+            if _STEP_RE.match(p.name) and (p.is_symlink() or guarded.is_mount(p, mounts))]
 
 
 def inside_checkpoint(path: str | Path) -> Path | None:
-    """The checkpoint (or a run's `checkpoints/` folder) that `path` lies in, links resolved, or None: what a
-    command writing a user-named output must never write into (guarded.claim_output)."""
+    """The checkpoint (or a run's `checkpoints/` or `universal/` folder) that `path` lies in, links resolved, or
+    None: what a command writing a user-named output, or a run's --output-dir, must never write into
+    (guarded.claim_output, rundir.claim)."""
     p = Path(os.path.abspath(path)).resolve()
     for d in (p, *p.parents):
         try:
@@ -164,6 +171,8 @@ def inside_checkpoint(path: str | Path) -> Path | None:
                 return d
             if d.name == CHECKPOINTS and (os.path.lexists(d / BEST) or any(
                     _STEP_RE.match(c) or c.startswith(STAGING) for c in os.listdir(d))):
+                return d
+            if d.name == UNIVERSAL and (d.parent / CHECKPOINTS).is_dir():  # converted ZeRO checkpoints of a run
                 return d
         except OSError:  # a folder we may not list holds no checkpoint we would write into
             continue
@@ -252,12 +261,13 @@ def remove(path: Path) -> list[str]:
     """Delete a vtrain checkpoint (a real `checkpoints/step_<N>` folder of a run): the manifest first (so a crash
     midway never leaves a 'complete' checkpoint with files missing), then exactly the real files it lists, then
     folders left empty. Anything else stays: a file a user added, and a listed file that is a link or lies below
-    one (returned as notes). Refused for a link, or a checkpoint whose folders above it are links."""
+    one, or a mount point (returned as notes). Refused for a link or a mount point, or a checkpoint whose folders
+    above it are links or mount points."""
     path = Path(path)
     root = path.parent.parent  # the run directory: <run>/checkpoints/step_<N>
-    link = guarded.link_in(root, path / COMPLETE)
-    if link is not None:
-        raise CheckpointError(f"{guarded.describe_link(link)}; not deleting {path} through it")
+    crossing = guarded.crossing_in(root, path / COMPLETE)
+    if crossing is not None:
+        raise CheckpointError(f"{guarded.describe_crossing(crossing)}; not deleting {path} through it")
     manifest = read_manifest(path)
     if manifest is None:
         raise CheckpointError(f"{path} is not a vtrain checkpoint; not deleting it")
@@ -286,9 +296,9 @@ def verify(path: str | Path, rank: int = 0, world: int = 1) -> str | None:
         return f"{path}: the manifest lists no {TRAIN_STATE}"
     for i, (rel, want) in enumerate(sorted(manifest.files.items())):
         f = path / rel
-        link = guarded.link_in(path, f)
-        if link is not None:
-            return f"{guarded.describe_link(link)} (a checkpoint holds only real files)"
+        crossing = guarded.crossing_in(path, f)
+        if crossing is not None:
+            return f"{guarded.describe_crossing(crossing)} (a checkpoint holds only real files)"
         if not f.is_file():
             return f"{f}: missing"
         size = f.stat().st_size

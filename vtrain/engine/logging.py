@@ -9,6 +9,7 @@ import json
 import math
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -214,22 +215,68 @@ def describe_run(plan: Plan, world: int, device: torch.device, batch_size: int, 
 def start_trackers(accelerator: Accelerator, report_to: str, output_dir: Path, run_id: str,
                    config: dict[str, Any]) -> tuple[Callable | None, Callable | None]:
     """--report-to: Accelerate's trackers (rank 0 only) with the resolved config as hyper-parameters. Returns the
-    (log, finish) pair RunLogger takes: it sends every log line and evaluation to them and ends them on close."""
+    (log, finish) pair RunLogger takes: it sends every log line and evaluation to them and ends them on close. A
+    write the tracker fails (a full disk) is one error line at the next log or at the end (`_writer_failure`)."""
     if report_to == "none":
         return None, None
     out = Path(output_dir)
     kwargs = {"wandb": {"dir": str(out), "name": out.name, "id": run_id, "resume": "allow"}}
     # TensorBoard writes <output-dir>/tensorboard/ (`tensorboard --logdir` on the run or its parent dir)
-    with guarded.disk_op(f"start {report_to} in", out / TENSORBOARD if report_to == "tensorboard" else out):
+    where = out / TENSORBOARD if report_to == "tensorboard" else out
+    _keep_writer_thread_errors()
+    with guarded.disk_op(f"start {report_to} in", where):
         accelerator.init_trackers("tensorboard" if report_to == "tensorboard" else "vtrain",
                                   config=flat_hparams(config),
                                   init_kwargs={k: v for k, v in kwargs.items() if k == report_to})
+        _writer_failure()
+
+    def log(values: dict[str, float], step: int) -> None:
+        with guarded.disk_op(f"write {report_to}'s events in", where):
+            _writer_failure()
+            accelerator.log(values, step=step)
 
     def finish() -> None:  # not accelerator.end_training: that also destroys the process group
-        for tracker in accelerator.trackers:
-            tracker.finish()
+        with guarded.disk_op(f"write {report_to}'s events in", where):
+            for tracker in accelerator.trackers:
+                tracker.finish()  # flushes and closes TensorBoard's event file
+            _writer_failure()
 
-    return accelerator.log, finish
+    return log, finish
+
+
+# TensorBoard's event file is written by a thread of its own (tensorboard's `_AsyncWriterThread`): a write that
+# fails there ends the thread with the exception printed by threading.excepthook, a traceback of dozens of lines,
+# and the file's writer raises it again only at its next write or flush, not when it is closed. So the exceptions
+# of exactly those threads are kept here instead of printed, and `_writer_failure` raises the first at the next log
+# line and at the end of the run, where disk_op makes it one line.
+_writer_errors: list[BaseException] = []
+
+
+def _keep_writer_thread_errors() -> None:
+    """Install (once) a threading.excepthook that keeps the exception of a tracker's writer thread in
+    `_writer_errors`; every other thread's goes to the hook that was there before."""
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # no tensorboard: no writer thread of its own
+        return
+    previous = threading.excepthook
+    if getattr(previous, "vtrain_keeps_writer_errors", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.thread, _AsyncWriterThread) and args.exc_value is not None:
+            _writer_errors.append(args.exc_value)
+            return
+        previous(args)
+
+    hook.vtrain_keeps_writer_errors = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
+def _writer_failure() -> None:
+    """Raise the first failure a tracker's writer thread met (kept by `_keep_writer_thread_errors`), if any."""
+    if _writer_errors:
+        raise _writer_errors.pop(0)
 
 
 def write_run_info(output_dir: Path, is_main: bool, run: dict[str, Any], mine: dict[str, Any]) -> None:

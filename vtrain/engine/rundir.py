@@ -1,4 +1,5 @@
-"""One run per output directory: an exclusive lock, and the rule for what an existing directory may hold.
+"""One run per output directory: an exclusive lock, the run marker, and the rule for what an existing directory may
+hold.
 
 The lock is a file created with O_EXCL (atomic on local and NFS v3+ file systems, unlike flock across nodes)
 holding the owner's host, pid and process start time; a daemon thread touches it every `HEARTBEAT_S`. It is
@@ -6,14 +7,25 @@ stale when its process is gone (same host: pid absent or another process with th
 when it has not been touched for `STALE_AFTER_S`. A stale lock is taken over by renaming it away first, so two
 processes that find the same stale lock cannot both win.
 
-A new run refuses a directory that already holds another run's checkpoints or logs, unless it resumes
-(`--resume`) or is told to start over (`--overwrite-output-dir`, which deletes only verified vtrain checkpoints
-and vtrain's own log files).
+Ownership: vtrain replaces and deletes only what it wrote. A run directory is vtrain's when it carries the run
+marker (`MARKER`, a small JSON record written when a run first claims the directory, before any other file of the
+run). A directory without it (a folder of the user's, or one written by a vtrain before the marker existed) may hold
+files at the names a run replaces or deletes (`OWNED_FILES`) only when each is recognisably vtrain's: config.yaml the
+complete resolved config vtrain writes, a log whose first line is one of vtrain's records, run_info.json and
+best.json with vtrain's keys (`foreign_files`). Any other file there stops the run in one line naming it, whatever
+the flags: `--overwrite-output-dir` deletes only vtrain's own records (verified checkpoints of a manifest, the logs,
+best.json), never a file vtrain did not write. A `--output-dir` inside a checkpoint (or a run's `checkpoints/` or
+`universal/` folder) is refused: the run would rewrite the checkpoint's config.yaml.
 
-Everything a run writes or deletes lies inside its directory, as real files and folders (vtrain/guarded.py): a
-name the run writes (`RUN_NAMES`, and `best.json` or a staging folder in `checkpoints/`) that is a symbolic link
-stops the run before anything is written, since writing there would write elsewhere; a `checkpoints/step_<N>`
-that is a link is not the run's and is left alone (named in the log). The lock's fields are checked when read.
+A new run refuses a directory that already holds another run's checkpoints or logs, unless it resumes
+(`--resume`) or is told to start over (`--overwrite-output-dir`).
+
+Everything a run writes or deletes lies inside its directory, as real files and folders on its own file system
+(vtrain/guarded.py): a name the run writes (`RUN_NAMES`, and `best.json` or a staging folder in `checkpoints/`)
+that is a symbolic link or a mount point stops the run before anything is written, since writing there would write
+elsewhere, and so does one that is not a regular file (a FIFO, a device) or folder; a `checkpoints/step_<N>` that
+is a link or a mount point is not the run's and is left alone (named in the log). The lock's fields are checked
+when read.
 """
 
 from __future__ import annotations
@@ -24,23 +36,38 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import fields
 from pathlib import Path
 
 import psutil
+import yaml
 
 from vtrain import guarded
+from vtrain.config import RunConfig
 from vtrain.dist import AgreedError, broadcast_from_main, gather_objects, is_main
+from vtrain.engine import best as best_record
 from vtrain.engine import checkpoint as ckpt
 from vtrain.errors import VtrainError
-from vtrain.files import write_text_atomic
+from vtrain.files import write_json_atomic, write_text_atomic
 from vtrain.records import Record, RecordError, read_json
 
 LOCK = ".vtrain.lock"
+MARKER = ".vtrain-run.json"  # {"format": MARKER_FORMAT, "version", "created"}: this directory is a vtrain run's
+MARKER_FORMAT = "vtrain-run"
 HEARTBEAT_S = 15.0
 STALE_AFTER_S = 120.0
 LOG_FILES = ("metrics.jsonl", "eval.jsonl", "run_info.json")
-# every name a run writes directly in its directory: none may be a link (it would write or delete elsewhere)
-RUN_NAMES = (ckpt.CONFIG, *LOG_FILES, LOCK, ckpt.CHECKPOINTS, ckpt.TENSORBOARD, ckpt.UNIVERSAL)
+# the files a run replaces, rewrites or (--overwrite-output-dir) deletes: each must be vtrain's (`foreign_files`)
+OWNED_FILES = (ckpt.CONFIG, *LOG_FILES, f"{ckpt.CHECKPOINTS}/{ckpt.BEST}")
+# every name a run writes directly in its directory: none may be a link or a mount point (it would write or delete
+# elsewhere); the files must be regular files, the folders real folders
+RUN_FILES = (ckpt.CONFIG, *LOG_FILES, LOCK, MARKER)
+RUN_FOLDERS = (ckpt.CHECKPOINTS, ckpt.TENSORBOARD, ckpt.UNIVERSAL)
+RUN_NAMES = (*RUN_FILES, *RUN_FOLDERS)
+# the most vtrain reads of a file to recognise it as its own: a whole JSON or YAML file (its own are a few KiB; a
+# run_info.json of 1000 ranks about 1 MiB), the first line of a log (which grows with the run)
+SNIFF_BYTES = 16 * 2**20
+FIRST_LINE_BYTES = 2**20
 
 
 def _me() -> dict:
@@ -162,9 +189,13 @@ def check_shared(output_dir: Path, lock: OutputDirLock | None) -> None:
 
 
 def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[OutputDirLock, list[str]]:
-    """Rank 0, before anything is written: lock the directory and apply the rule for what it may hold.
-    Returns the lock and notes for the log."""
+    """Rank 0, before anything is written: lock the directory, apply the rules for what it may hold (see the
+    module docstring) and mark it as a vtrain run's. Returns the lock and notes for the log."""
     out = Path(output_dir)
+    holder = ckpt.inside_checkpoint(out)
+    if holder is not None:
+        raise VtrainError(f"--output-dir {out} is inside the checkpoint {holder}; a run would rewrite its files (and "
+                          "it would no longer verify): choose a folder outside every run's checkpoints/")
     if out.exists() and not out.is_dir():
         raise VtrainError(f"--output-dir: {out} is a file, not a directory")
     try:
@@ -176,6 +207,12 @@ def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[Output
     lock.acquire()
     notes: list[str] = ckpt.linked_entries(out)
     try:
+        foreign = foreign_files(out)
+        if foreign:
+            raise VtrainError(f"--output-dir {out} holds {', '.join(foreign)}, which vtrain did not write (no vtrain "
+                              f"run marker {MARKER}, and not what vtrain writes there); a run replaces and deletes "
+                              "only its own files, also with --overwrite-output-dir: move them away, or choose "
+                              "another --output-dir")
         existing = ckpt.complete_checkpoints(out)
         logs = [n for n in LOG_FILES if (out / n).exists()]
         if resume is None and (existing or logs):
@@ -190,6 +227,8 @@ def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[Output
                 guarded.unlink(out, out / name)
             if existing:
                 notes.append(f"--overwrite-output-dir: deleted {len(existing)} checkpoints of the earlier run in {out}")
+        if not _is_marker(out / MARKER):
+            write_json_atomic(out / MARKER, {"format": MARKER_FORMAT, "version": 1, "created": time.time()})
     except BaseException:
         lock.release()
         raise
@@ -197,16 +236,106 @@ def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[Output
 
 
 def check_links(out: Path) -> None:
-    """Refuse a run directory where a name the run writes is a link (see the module docstring), before anything is
-    written; links to checkpoints are left alone (`ckpt.linked_entries`)."""
-    names = [out / n for n in RUN_NAMES]
+    """Refuse a run directory where a name the run writes is a link or a mount point, or not a regular file (or
+    folder) (see the module docstring), before anything is written; links and mount points among the checkpoints
+    are left alone (`ckpt.linked_entries`)."""
+    mounts = guarded.mount_points()
+    crossing = lambda p: p.is_symlink() or (os.path.lexists(p) and guarded.is_mount(p, mounts))  # noqa: E731
+    bad = next((out / n for n in RUN_NAMES if crossing(out / n)), None)
     ckpts = ckpt.checkpoint_dir(out)
-    if ckpts.is_dir() and not ckpts.is_symlink():
-        names += [ckpts / ckpt.BEST, *(p for p in ckpts.iterdir() if p.name.startswith(ckpt.STAGING))]
-    link = next((p for p in names if p.is_symlink()), None)
-    if link is not None:
-        raise VtrainError(f"--output-dir {out}: {guarded.describe_link(link)}; a run writes and deletes only real "
-                          "files and folders inside its directory: replace the link, or choose another --output-dir")
+    if bad is None and ckpts.is_dir():
+        names = [ckpts / ckpt.BEST, *(p for p in ckpts.iterdir() if p.name.startswith(ckpt.STAGING))]
+        bad = next((p for p in names if crossing(p)), None)
+    if bad is not None:
+        raise VtrainError(f"--output-dir {out}: {guarded.describe_crossing(bad)}; a run writes and deletes only real "
+                          "files and folders inside its directory: remove the link or unmount it, or choose another "
+                          "--output-dir")
+    for p in (*(out / n for n in RUN_FILES), ckpts / ckpt.BEST):
+        kind = guarded.not_regular(p) or ("a folder" if p.is_dir() else None)
+        if kind is not None:
+            raise VtrainError(f"--output-dir {out}: {p} is {kind}, not a regular file; a run writes its own files "
+                              "there: move it away, or choose another --output-dir")
+    for p in (out / n for n in RUN_FOLDERS):
+        if os.path.lexists(p) and not p.is_dir():
+            raise VtrainError(f"--output-dir {out}: {p} is not a folder; a run writes its own files into it: move it "
+                              "away, or choose another --output-dir")
+
+
+# ---- what is vtrain's ---------------------------------------------------------------------------------------------
+
+def foreign_files(out: Path) -> list[str]:
+    """The names among `OWNED_FILES` (and the marker's) in `out` that vtrain did not write: none when `out` carries
+    vtrain's run marker; without it, every one that is not recognisably vtrain's by its content (a directory of an
+    earlier vtrain, which wrote no marker, passes; a user's own file does not)."""
+    marker = out / MARKER
+    if _is_marker(marker):
+        return []
+    bad = [MARKER] if os.path.lexists(marker) else []
+    return bad + [n for n in OWNED_FILES if os.path.lexists(out / n) and not _RECOGNISE[n](out / n)]
+
+
+def _is_marker(path: Path) -> bool:
+    try:
+        return _sniff(path) is not None and Record(read_json(path), path).data.get("format") == MARKER_FORMAT
+    except RecordError:
+        return False
+
+
+def _sniff(path: Path, limit: int = SNIFF_BYTES, whole: bool = True) -> bytes | None:
+    """A regular file's bytes, at most `limit` of them; None when it is unreadable or, for `whole`, larger."""
+    try:
+        if not path.is_file() or (whole and path.stat().st_size > limit):
+            return None
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+def _first_record(path: Path) -> dict | None:
+    """The first line of a log as a JSON object, or None."""
+    head = _sniff(path, FIRST_LINE_BYTES, whole=False)
+    try:
+        record = json.loads(head.split(b"\n", 1)[0]) if head else None
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) and type(record.get("step")) is int else None
+
+
+def _is_config(path: Path) -> bool:
+    """The complete resolved config vtrain writes: every section of RunConfig, `train.output_dir` set."""
+    head = _sniff(path)
+    try:
+        data = yaml.safe_load(head.decode()) if head else None
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
+        return False
+    sections = {f.name for f in fields(RunConfig)}
+    return (isinstance(data, dict) and set(data) == sections and isinstance(data.get("train"), dict)
+            and all(isinstance(data[k], dict) for k in sections - {"task"}) and "output_dir" in data["train"])
+
+
+def _is_run_info(path: Path) -> bool:
+    try:
+        data = json.loads(_sniff(path) or b"")
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and {"engine", "world_size", "ranks"} <= set(data)
+
+
+def _is_best(path: Path) -> bool:
+    try:
+        return _sniff(path) is not None and best_record.read(path.parent.parent) is not None
+    except RecordError:
+        return False
+
+
+_RECOGNISE = {
+    ckpt.CONFIG: _is_config,
+    "metrics.jsonl": lambda p: (r := _first_record(p)) is not None and {"epoch", "time"} <= set(r),
+    "eval.jsonl": lambda p: (r := _first_record(p)) is not None and bool({"balanced_accuracy", "AP"} & set(r)),
+    "run_info.json": _is_run_info,
+    f"{ckpt.CHECKPOINTS}/{ckpt.BEST}": _is_best,
+}
 
 
 def truncate_logs(output_dir: Path, step: int) -> None:

@@ -7,6 +7,14 @@ EMA weights of a vtrain checkpoint (the default when it has them, `--weights ema
 `ema.safetensors`. Known gaps of the reference tools that are handled here (docs/memory_ckpt.md §3-4): frozen
 parameters of ZeRO-1 (taken from the saved module), frozen parameters and buffers returned in their training dtype
 (reported), tied weights (written as separate copies so safetensors accepts them).
+
+What is written is what is checked: each floating tensor is cast to `--dtype` and scanned for inf/NaN slice by
+slice (`weight_checks.cast_checked`), so a finite value beyond fp16's range, which the cast turns into inf, is an
+offender like a NaN of the checkpoint, and the temporaries stay small. A vtrain checkpoint holds the weights twice,
+the engine's own copy (Accelerate's model file, DeepSpeed's partitions, FSDP2's DCP) and the gathered
+`model.safetensors`; when the model weights are consolidated from the engine's copy, every tensor both hold is
+compared as it is streamed (`weight_checks.SecondCopy`, one tensor of `model.safetensors` in memory at a time), and
+a difference stops the command.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from vtrain.files import write_json_atomic
 from vtrain.safeio import enforce_weights_only
 from vtrain.tasks import model_for_weights
 from vtrain.tools.shard_readers import READERS, Item
+from vtrain.tools.weight_checks import SecondCopy, cast_checked
 
 
 @dataclass
@@ -48,6 +57,8 @@ class Source:
     """A vtrain checkpoint of a `--head-parallel sharded` run: its directory (the head lives in head/, per rank)."""
     checkpoint: Path | None = None
     """A vtrain checkpoint: its directory, whose config.yaml and class count say what the output must hold."""
+    second_copy: Path | None = None
+    """A vtrain checkpoint's `model.safetensors` when the output comes from the engine's copy: compared with it."""
 
 
 def _ds_tag_dir(path: Path) -> Path | None:
@@ -98,6 +109,8 @@ def _in_vtrain_checkpoint(p: Path, weights: str | None) -> Source:
     else:
         src = _plain(p / ckpt.FSDP, p) if (p / ckpt.FSDP).is_dir() else _plain(p / ckpt.ACCELERATE, p)
         src.description = f"vtrain checkpoint {p} ({src.description})"
+        if (p / ckpt.MODEL).is_file() and (p / ckpt.MODEL).resolve() != src.path.resolve():
+            src.second_copy = p / ckpt.MODEL  # compared with the engine's copy as it is streamed
     src.checkpoint = p
     if (p / ckpt.HEAD).is_dir():  # the sharded face head: per-rank class ranges, stitched by head_shard.full_weight
         src.head_shards = p
@@ -133,9 +146,13 @@ def iter_tensors(src: Source) -> Iterator[Item]:
 class Offender:
     name: str
     dtype: str
+    """The dtype written (--dtype for floating tensors)."""
     nonfinite: int
+    """inf/NaN values in what is written."""
     numel: int
     is_buffer: bool
+    overflow: int = 0
+    """Of those, values finite in the checkpoint that the cast to --dtype turned into inf (beyond its range)."""
 
 
 @dataclass
@@ -227,15 +244,15 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
     with guarded.disk_op("create the folder of", out):
         out.parent.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(out, max_shard_size)
+    second = SecondCopy(src.second_copy, src.path)
     try:
         kept: dict[str, torch.Tensor] = {}
         for name, t, is_buffer in _with_head(src, backbone_only):
-            if t.is_floating_point():
-                bad = int((~torch.isfinite(t)).sum())
-                if bad:
-                    report.offenders.append(Offender(name, str(t.dtype).replace("torch.", ""), bad, t.numel(),
-                                                     is_buffer))
-                t = t.to(dtype)
+            second.compare(name, t)
+            t, before, after = cast_checked(t, dtype)
+            if after:
+                report.offenders.append(Offender(name, str(t.dtype).replace("torch.", ""), after, t.numel(),
+                                                 is_buffer, after - before))
             writer.add(name, t)
             if name in src.aliases.values():
                 kept[name] = t
@@ -245,11 +262,13 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
             writer.add(alias, kept[source])
             src.notes.append(f"tied weight {alias} written as a copy of {source}")
         _check_complete(src, path, writer.shapes, check_model, backbone_only)
+        second.check()  # after the model check: a copy of the wrong shape is named with the model it misfits
         if report.offenders and not allow_nonfinite:
             return report
         report.files = writer.commit()
     finally:
         writer.cleanup()
+        second.close()
     import resource
 
     report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -9,8 +9,9 @@ in batches, with a progress bar.
   (`flip_embeddings`); the input names are in its metadata (`files`, a JSON list, row order).
 
 An unreadable image stops the run with one error line naming it, rather than leaving a silent hole. Every file
-written is checked first (vtrain/guarded.py): never into a checkpoint, an existing one only with `--overwrite`, and
-each is written beside its name and renamed over it (a link there is replaced, never written through).
+written is checked first (vtrain/guarded.py): never into a checkpoint, never over a FIFO or a device, an existing one
+only with `--overwrite`, and each is written beside its name, checked to hold every byte, and renamed over it (a link
+there is replaced, never written through).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from safetensors.torch import save_file
 from torchvision import tv_tensors
 from torchvision.datasets.folder import IMG_EXTENSIONS
-from torchvision.io import write_jpeg
+from torchvision.io import encode_jpeg
 from torchvision.utils import draw_bounding_boxes
 
 from vtrain import guarded
@@ -229,7 +230,9 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
                 for d in coco_detections(image_ids[i], boxes.numpy(), scores.numpy(), labels.numpy(), cat_ids):
                     dets.append({**d, "file_name": names[i]})
                 drawn = draw(original, boxes, scores, labels, [c["name"] for c in categories])
-                guarded.replace_file(outputs[i], lambda tmp, img=drawn: write_jpeg(img, str(tmp), quality=95))
+                # encoded here and written by vtrain's checked writer: torchvision's write_jpeg ignores a short
+                # write, leaving a truncated JPEG under its final name with no error (guarded.py)
+                guarded.write_bytes(outputs[i], memoryview(encode_jpeg(drawn, quality=95).numpy()))
     write_json_atomic(out / "predictions.json", dets)
     return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device), score_threshold)
 
