@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,7 +162,8 @@ class Ctx:
         flat.unlink()
         change(state)
         shutil.rmtree(step / "fsdp")
-        with pytest.warns(UserWarning):  # "assuming the intent is to save in a single process"
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore")
             dcp.save(state, checkpoint_id=str(step / "fsdp"), no_dist=True)
         reseal(step)
 
@@ -626,3 +628,30 @@ def test_shown_values_are_bounded():
         deep = [deep]
     for value in (bomb, deep, 10**5000, [10**5000], "x" * 10**6, {"k": bomb}):
         assert len(shown(value)) <= 80
+
+
+# ---- 2 processes: the bad moment is in the partition only rank 1 holds ------------------------------------------
+
+@pytest.mark.slow
+def test_two_ranks_stop_with_one_line_when_only_rank_1_holds_a_negative_moment(prior, tmp_path):
+    """ZeRO-2 over 2 processes: each rank loads its own optimizer partition, so only rank 1 sees the doctored one;
+    the check once loaded is agreed, so both ranks stop (none waits in a collective) with one line naming it."""
+    from conftest import ROOT, launch
+
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(prior.faces), "--output-dir", str(run), *PLAIN, "--batch-size", "2",
+            *ENGINES["zero2"]]
+    proc = launch(2, *argv, "--max-steps", "1", accelerate_config="ddp.yaml", timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    step = run / "checkpoints" / "step_1"
+    rank1 = step / "accelerate" / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    Ctx(prior, tmp_path, tmp_path).edit_torch(
+        rank1, lambda d: _moment("exp_avg_sq", _first(-1.0))(d["optimizer_state_dict"]["base_optimizer_state"]), step)
+    before = _snapshot(run)
+    proc = launch(2, *argv, "--max-steps", "2", "--resume", str(step), accelerate_config="ddp.yaml", timeout=600)
+    text = proc.stdout + proc.stderr
+    lines = [line for line in text.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1, text[-6000:]
+    assert f"{rank1}: tensor exp_avg_sq of group 0 holds 1 values below 0" in lines[0], lines[0]
+    assert f'File "{ROOT / "vtrain"}' not in text, text[-6000:]  # the launcher's own report aside, no traceback
+    assert _snapshot(run) == before
