@@ -9,7 +9,8 @@ from vtrain.tasks.dino import DinoTask
 
 # two images; categories: 1 circle (2 boxes), 2 square (1 box), 3 triangle (no box), 4 cross (1 box + 1 crowd)
 GT = {
-    "images": [{"id": 1, "width": 200, "height": 100}, {"id": 2, "width": 120, "height": 160}],
+    "images": [{"id": 1, "file_name": "1.jpg", "width": 200, "height": 100},
+               {"id": 2, "file_name": "2.jpg", "width": 120, "height": 160}],
     "annotations": [
         {"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 10, 40, 30], "area": 1200, "iscrowd": 0},
         {"id": 2, "image_id": 2, "category_id": 1, "bbox": [5, 50, 60, 60], "area": 3600, "iscrowd": 0},

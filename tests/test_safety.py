@@ -366,12 +366,17 @@ def test_pruning_keeps_user_files_and_a_used_dir_needs_resume(cli, faces, tmp_pa
 
 
 def _foreign(single: Path, out: Path, step: int) -> Path:
-    """A checkpoint of another run (another lineage), numbered higher than anything this run will write."""
+    """A checkpoint of another run (another lineage), numbered higher than anything this run will write: its
+    train state, manifest and folder name agree on the step, as in a checkpoint that run wrote."""
     dst = out / "checkpoints" / f"step_{step}"
     shutil.copytree(single / "checkpoints" / "step_2", dst)
+    state = json.loads((dst / ckpt.TRAIN_STATE).read_text())
+    state.update(step=step, consumed_samples=max(step, state["consumed_samples"]))
+    (dst / ckpt.TRAIN_STATE).write_text(json.dumps(state))
     manifest = json.loads((dst / ckpt.COMPLETE).read_text())
     manifest.update(step=step, run_id="another-run")
     (dst / ckpt.COMPLETE).write_text(json.dumps(manifest))
+    reseal(dst)
     return dst
 
 

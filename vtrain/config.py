@@ -18,7 +18,7 @@ import yaml
 from vtrain import recompute
 from vtrain.config_values import coerce, read_yaml
 from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
-from vtrain.errors import ConfigError
+from vtrain.errors import ConfigError, shown
 from vtrain.files import cache_root, directory_problem, write_text_atomic
 from vtrain.guarded import utf8_problem
 from vtrain.presets import presets_for
@@ -449,20 +449,22 @@ def build_config(task: str, file_values: dict[str, Any] | None = None,
             if section == "task":
                 continue
             if section not in _SECTION_CLASSES:
-                raise ConfigError(f"--config: unknown section {section!r}; sections are {', '.join(_SECTION_CLASSES)}")
+                raise ConfigError(f"--config: unknown section {shown(section)}; sections are "
+                                  f"{', '.join(_SECTION_CLASSES)}")
             if not isinstance(values, dict):
-                raise ConfigError(f"--config: section {section!r} must be a mapping")
+                raise ConfigError(f"--config: section {shown(section)} must be a mapping")
             known = {f.name for f in fields(_SECTION_CLASSES[section])}
             hints = typing.get_type_hints(_SECTION_CLASSES[section])
             for k, v in values.items():
                 if k not in known:
-                    raise ConfigError(f"--config: unknown key {section}.{k}; known: {', '.join(sorted(known))}")
+                    raise ConfigError(f"--config: unknown key {section}.{str(k)[:80]}; known: "
+                                  f"{', '.join(sorted(known))}")
                 if v is not None and source is file_values:  # the file as written, even where a flag overrides it
                     coerce(v, hints[k], f"--config {section}.{k}")
                 if v is not None:
                     merged[section][k] = v
     if not isinstance(task, str):
-        raise ConfigError(f"--config: task must be a string, got {task!r}")
+        raise ConfigError(f"--config: task must be a string, got {shown(task)}")
     sections = {}
     for name, cls in _SECTION_CLASSES.items():
         hints = typing.get_type_hints(cls)

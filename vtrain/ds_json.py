@@ -5,22 +5,27 @@ launch plan and for `estimate-memory`). Filling the values vtrain owns into it i
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vtrain.errors import ConfigError
+from vtrain.errors import ConfigError, shown
+from vtrain.records import loads
 
 DEEPSPEED_BUCKET = 5e8  # DeepSpeed's own reduce/allgather bucket default, in elements (docs/memory_ckpt.md §2.2)
 DS_CONFIG_UNREADABLE = "--ds-config: {path} is not valid JSON ({error})"  # read_json's message for --ds-config
 
 
+MAX_DEPTH = 16
+"""Deepest nesting a DeepSpeed JSON may have (its own sections nest 3 levels): the engine deep-copies it."""
+
+
 def read_json(path: str, message: str) -> Any:
-    """The JSON value in `path`. A file that cannot be read or is not JSON is a ConfigError: `message` with
-    {path} and {error} filled in (each caller names its own source: --ds-config, an accelerate config)."""
+    """The JSON value in `path`. A file that cannot be read, is not JSON or nests deeper than MAX_DEPTH is a
+    ConfigError: `message` with {path} and {error} filled in (each caller names its own source: --ds-config, an
+    accelerate config)."""
     try:
-        return json.loads(Path(path).read_text())
+        return loads(Path(path).read_text(), max_depth=MAX_DEPTH)
     except (OSError, ValueError) as e:
         raise ConfigError(message.format(path=path, error=e)) from None
 
@@ -89,9 +94,9 @@ def check_structure(raw: Any, source: str) -> None:
     for key in ("bf16", "fp16", "torch_autocast"):
         section = raw.get(key)
         if section is not None and not isinstance(section, dict):
-            fail(f'{key} must be an object like {{"enabled": true}}, got {section!r}')
+            fail(f'{key} must be an object like {{"enabled": true}}, got {shown(section)}')
         if isinstance(section, dict) and section.get("enabled", "auto") not in (True, False, "auto"):
-            fail(f"{key}.enabled must be true, false or \"auto\", got {section['enabled']!r}")
+            fail(f"{key}.enabled must be true, false or \"auto\", got {shown(section['enabled'])}")
     if len(explicit_16bit(raw)) == 2:
         fail("bf16 and fp16 cannot both be enabled")
     zero = raw.get("zero_optimization", {})
@@ -99,12 +104,12 @@ def check_structure(raw: Any, source: str) -> None:
         fail("zero_optimization must be an object")
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        fail(f"zero_optimization.stage must be 0-3, got {stage!r}")
+        fail(f"zero_optimization.stage must be 0-3, got {shown(stage)}")
     for key in ("offload_optimizer", "offload_param"):
         section = zero.get(key) or {}
         if not isinstance(section, dict):
-            fail(f'zero_optimization.{key} must be an object like {{"device": "cpu"}}, got {section!r}')
+            fail(f'zero_optimization.{key} must be an object like {{"device": "cpu"}}, got {shown(section)}')
         if section.get("device", "none") not in ("none", "cpu", "nvme"):
-            fail(f"zero_optimization.{key}.device must be none/cpu/nvme, got {section['device']!r}")
+            fail(f"zero_optimization.{key}.device must be none/cpu/nvme, got {shown(section['device'])}")
     if (zero.get("offload_param") or {}).get("device", "none") != "none" and stage != 3:
         fail(f"offload_param needs zero_optimization.stage 3 (got {stage})")

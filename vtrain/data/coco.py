@@ -3,14 +3,14 @@ the DINO augmentation recipe, padded batches with masks.
 
 Annotation problems are handled once, at load time, and reported as counts: crowd boxes are left out of training
 (COCOeval handles them in evaluation), boxes are clipped to the image, boxes with no area left are dropped.
-Unknown category ids, missing image files and unreadable JSON are errors.
+Unknown category ids, missing image files and unreadable JSON are errors, and so is a field of the wrong type or
+range, found when the file is read (coco_check.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +23,10 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
+from vtrain.data.coco_check import check_coco, check_unique
 from vtrain.data.images import decode_rgb
 from vtrain.errors import VtrainError
+from vtrain.records import loads
 
 MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics (MMD preprocessor 123.675/116.28/103.53, 58.395/57.12/57.375)
 STD = (0.229, 0.224, 0.225)
@@ -56,28 +58,23 @@ def load_coco(ann_file: str | Path):
     if not path.is_file():
         raise VtrainError(f"annotation file not found: {path}")
     try:
-        data = json.loads(path.read_text())
+        data = loads(path.read_bytes())  # nesting beyond json's recursion is "not valid JSON" (records.loads)
     except (OSError, ValueError) as e:
         raise VtrainError(f"{path} is not valid JSON ({e})") from None
     return coco_from_dict(data, str(path))
 
 
 def coco_from_dict(data: dict, where: str):
-    """pycocotools COCO object over an in-memory COCO dict (`where` names its source in errors)."""
+    """pycocotools COCO object over an in-memory COCO dict (`where` names its source in errors), every field
+    checked first (data/coco_check.py)."""
     from pycocotools.coco import COCO
 
-    for key in ("images", "annotations", "categories"):
-        if not isinstance(data, dict) or key not in data:
-            raise VtrainError(f"{where} is not a COCO detection file: missing {key!r}")
-    if not data["categories"]:
-        raise VtrainError(f"{where} has no categories")
+    check_coco(data, where)
     coco = COCO()
     coco.dataset = data
     with contextlib.redirect_stdout(io.StringIO()):
-        try:
-            coco.createIndex()
-        except (KeyError, TypeError) as e:
-            raise VtrainError(f"{where}: malformed COCO entry ({e!r})") from None
+        coco.createIndex()
+    check_unique(data, coco, where)
     return coco
 
 
@@ -180,26 +177,18 @@ class CocoDetection(Dataset):
 
     def _clean(self, image_id: int) -> tuple[np.ndarray, np.ndarray]:
         info = self.coco.imgs[image_id]
-        w, h = info.get("width"), info.get("height")
-        if not w or not h:
-            raise VtrainError(f"{self.ann_file}: image {image_id} has no width/height")
+        w, h = info["width"], info["height"]  # (every field's type and range: coco_check.py)
         r = self.report
         r.images += 1
         boxes, labels = [], []
         for a in self.coco.imgToAnns.get(image_id, []):
-            if a.get("category_id") not in self.cat_to_label:
-                raise VtrainError(f"{self.ann_file}: annotation {a.get('id')} has category id {a.get('category_id')}, "
+            if a["category_id"] not in self.cat_to_label:
+                raise VtrainError(f"{self.ann_file}: annotation {a['id']} has category id {a['category_id']}, "
                                   f"which is not in 'categories'")
             if a.get("iscrowd", 0):
                 r.crowd += 1
                 continue
-            bbox = a.get("bbox")
-            if not isinstance(bbox, list) or len(bbox) != 4:
-                raise VtrainError(f"{self.ann_file}: annotation {a.get('id')} has a malformed bbox {bbox!r}")
-            try:
-                x, y, bw, bh = (float(v) for v in bbox)
-            except (TypeError, ValueError):
-                raise VtrainError(f"{self.ann_file}: annotation {a.get('id')} has a malformed bbox {bbox!r}") from None
+            x, y, bw, bh = (float(v) for v in a["bbox"])
             if not all(map(math.isfinite, (x, y, bw, bh))):
                 r.dropped_nonfinite += 1
                 continue

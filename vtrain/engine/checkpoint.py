@@ -32,7 +32,8 @@ from typing import Any
 from vtrain import guarded
 from vtrain.errors import VtrainError
 from vtrain.files import write_json_atomic
-from vtrain.records import Record, RecordError, ema_state, read_json, scaler_state, scheduler_state
+from vtrain.records import (MAX_COUNT, Record, RecordError, categories, ema_state, read_json, scaler_state,
+                            scheduler_state)
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 FORMAT = "vtrain-checkpoint"
@@ -92,7 +93,9 @@ def parse_manifest(path: Path) -> Manifest:
         text = marker.read_text()
     except (OSError, UnicodeDecodeError):
         raise RecordError(f"{path}: no readable {COMPLETE} manifest (not a complete vtrain checkpoint)") from None
-    if text.strip().isdigit():
+    if text.strip().isdigit():  # vtrain <= 0.1: the step alone (a number of more digits is no step: MAX_COUNT)
+        if len(text.strip()) > len(str(MAX_COUNT)) or int(text.strip()) > MAX_COUNT:
+            raise RecordError(f"{marker}: a step number beyond 2^53-1")
         return Manifest(int(text.strip()), None, legacy=True)
     r = Record(read_json(marker), marker)
     r.str("format", (FORMAT,))
@@ -105,7 +108,7 @@ def parse_manifest(path: Path) -> Manifest:
         entry.int("size")
         if not _SHA256.match(entry.str("sha256")):
             raise RecordError(f"{marker}: `sha256` of {rel} is not a SHA-256 hex digest")
-    return Manifest(r.int("step"), r.str("run_id", default=None), files.data)
+    return Manifest(r.int("step", high=MAX_COUNT), r.str("run_id", default=None), files.data)
 
 
 def read_manifest(path: Path) -> Manifest | None:
@@ -307,10 +310,16 @@ def verify(path: str | Path, rank: int = 0, world: int = 1) -> str | None:
         if i % world == rank and digest(f)["sha256"] != want["sha256"]:
             return f"{f}: checksum mismatch (the file is damaged)"
     try:
-        TrainState.read(path)
+        state = TrainState.read(path)
         read_categories(path)
     except VtrainError as e:
         return str(e)
+    # the step a resume continues from is the train state's: it must be the one the manifest and the folder name
+    # say (a step of 10^15 in a step_3 folder would "resume" past --max-steps and train nothing)
+    named = _STEP_RE.match(path.name)
+    if state.step != manifest.step or (named and int(named.group(1)) != state.step):
+        return (f"{path / TRAIN_STATE}: `step` is {state.step}, but the manifest says {manifest.step}"
+                + (f" and the folder {path.name}" if named else ""))
     return None
 
 
@@ -412,25 +421,29 @@ class TrainState:
         need = [f.name for f in fields(cls) if f.default is MISSING and f.name not in r.data]
         if need:
             raise RecordError(f"{where}: the train state lacks {', '.join(need)}")
-        counters = {k: r.int(k, default=0) for k in ("skipped_steps", "overflow_skips", "consecutive_nonfinite")}
-        return cls(step=r.int("step"), consumed_samples=r.int("consumed_samples"),
-                   scheduler=scheduler_state(r.object("scheduler")), **counters, world_size=r.int("world_size", low=1),
-                   engine=r.str("engine", ENGINES), ema=ema_state(r.object("ema", default=None)),
+        # every counter within what a run can reach; each step consumes at least one sample and skips at most one
+        # step, so the counters are bounded by `step` as well
+        step = r.int("step", high=MAX_COUNT)
+        counters = {k: r.int(k, high=step, default=0) for k in ("skipped_steps", "overflow_skips",
+                                                                   "consecutive_nonfinite")}
+        return cls(step=step, consumed_samples=r.int("consumed_samples", low=step, high=MAX_COUNT),
+                   scheduler=scheduler_state(r.object("scheduler")), **counters,
+                   world_size=r.int("world_size", low=1, high=MAX_COUNT), engine=r.str("engine", ENGINES),
+                   ema=ema_state(r.object("ema", default=None)),
                    scaler=scaler_state(r.object("scaler", default=None)))
 
 
 def read_categories(path: Path) -> list[dict[str, Any]] | None:
-    """A detection checkpoint's class ids and names in label order (`categories.json`), checked; None without."""
+    """A detection checkpoint's class ids and names in label order (`categories.json`), checked with the rules the
+    COCO reader applies to the file the run trained on (records.categories), and in label order (ascending ids, as
+    training writes them); None without."""
     file = Path(path) / CATEGORIES
     if not file.is_file():
         return None
-    data = read_json(file)
-    if not isinstance(data, list):
-        raise RecordError(f"{file}: expected a list of categories, got {type(data).__name__}")
-    for i, c in enumerate(data):
-        r = Record(c, f"{file}: category {i}")
-        r.int("id", low=-(2**63))
-        r.str("name", nonempty=False)
+    data = categories(read_json(file), str(file))
+    ids = [c["id"] for c in data]
+    if ids != sorted(ids):
+        raise RecordError(f"{file}: the category ids are not in label order (ascending, as training writes them)")
     return data
 
 

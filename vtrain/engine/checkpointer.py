@@ -16,7 +16,9 @@ is a change to every rank at once. Hardening, and where later hardening goes:
   ranks then agree on the outcome, rank 0 removes the staging folder and every rank stops with one error line
   naming the path and the operation (`_abandon`). The manifest and the rename (`_commit`) are agreed the same way;
 - validating every tensor read on resume: `load` is the one read sequence; `_check_and_read` checks the recorded
-  model and every file of tensors (engine/content.py) before the engine reads any, all ranks agreeing.
+  model and every file of tensors (engine/content.py), Accelerate's optimizer file and this rank's RNG state
+  before the engine reads any, all ranks agreeing; what vtrain does not parse before loading (DeepSpeed's
+  optimizer partitions, DCP's values) is checked once loaded (`_check_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from vtrain import guarded
 from vtrain.config import RunConfig, load_run_config
 from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content, faults, resume_settings
+from vtrain.engine import content, content_state, faults, resume_settings
 from vtrain.engine.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.head_shard import ShardedHead
@@ -155,6 +157,10 @@ class Checkpointer:
         if not self.engine.parameters_finite():  # collective: DeepSpeed's and DCP's files are not parsed by vtrain
             problem = f"--resume: {path}: the model's weights hold inf/NaN after loading its {state.engine} state"
             raise VtrainError(problem) if self.is_main else AgreedError(problem)
+        # the optimizer state as loaded (DeepSpeed's partitions and DCP's shards are not parsed by vtrain before):
+        # moments of their parameters' shapes, finite, second moments >= 0, checked now rather than found at the
+        # first update (a shape) or a few steps later (NaN weights); every rank its own state, all agreeing
+        agreed(lambda: self._check_optimizer_state(path))
         self.scheduler.load_state_dict(state.scheduler)
         # this run's LRs, weight decay and betas where the checkpoint's replaced them, each change said in the log
         # (LambdaLR.load_state_dict leaves the optimizer alone: the LRs are set here)
@@ -172,6 +178,12 @@ class Checkpointer:
             if note:
                 notes.append(note)
         return notes
+
+    def _check_optimizer_state(self, path: Path) -> None:
+        problem = content_state.optimizer_problem(self.engine.optimizer_states())
+        if problem:
+            raise VtrainError(f"--resume: {self.engine.optimizer_file(path)}: {problem} (after loading its "
+                              f"{self.plan.kind} state)")
 
     def _same_model(self, path: Path, classes: int | None) -> None:
         """The model checkpoint `path` records (its config.yaml and class count) against the one this run builds
@@ -207,6 +219,12 @@ class Checkpointer:
         for f in read:
             if f.is_file():
                 content.expect_tensors(f, spec, "--resume", "this run's model")
+        if kind == "ddp" and (path / ckpt.ACCELERATE / "optimizer.bin").is_file():  # Accelerate's name
+            content_state.expect_optimizer(path / ckpt.ACCELERATE / "optimizer.bin", self.engine.optimizer_groups(),
+                                     "--resume")
+        rng = path / ckpt.ACCELERATE / f"random_states_{self.rank}.pkl"  # Accelerate's name
+        if not self.reshard_deepspeed and rng.is_file():  # the universal route restores no RNG state
+            content_state.expect_rng_state(rng, "--resume")
         if self.head is not None:
             self.head.load(path)  # this run's rows, re-split for its number of processes, checked as read
         if self.ema is not None:

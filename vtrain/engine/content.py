@@ -17,11 +17,13 @@ line naming the file, the tensor, and what was expected and found.
 
 Before tensors, models: a resume first compares the model the checkpoint records (`describe`: its config.yaml and
 class count) with the one the run builds, so a checkpoint of another preset is one line saying both.
+
+The engine's state beyond the weights (optimizer moments, RNG states) is checked with the same `Spec` by
+content_state.py.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 
 from vtrain.config import RunConfig
 from vtrain.engine import checkpoint as ckpt
+from vtrain.errors import VtrainError
 from vtrain.models.backbones import read_state_dict
 from vtrain.presets import DINO_PRESETS
 from vtrain.tasks import build_model, model_for_weights
@@ -56,6 +59,8 @@ class Want:
     shape: tuple[int, ...]
     dtypes: tuple[torch.dtype, ...]
     """Accepted dtypes; a floating tensor's values must also be finite."""
+    low: float | None = None
+    """The least value allowed (0 for Adam's second moments, which are running means of squares)."""
 
     def __str__(self) -> str:
         return f"{self.shape} {'floating' if self.dtypes == FLOATS else _dtype(self.dtypes[0])}"
@@ -84,9 +89,9 @@ def model_spec(cfg: RunConfig, classes: int, whole: bool = False, exact: bool = 
     return spec_of(model.state_dict(), exact)
 
 
-def compare(found: Found, spec: Spec) -> str | None:
+def compare(found: Found, spec: Spec, owner: str = "the model") -> str | None:
     """The first difference between what a file holds and `spec` (names exactly, then shapes and dtypes), as text;
-    None when they agree."""
+    None when they agree. `owner`: what `spec` describes, for a tensor it lacks."""
     missing = [k for k in spec if k not in found]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -95,7 +100,7 @@ def compare(found: Found, spec: Spec) -> str | None:
     if extra:
         shape, dtype = found[extra[0]]
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
-        return f"holds tensor {extra[0]} ({shape} {_dtype(dtype)}), which the model does not have{more}"
+        return f"holds tensor {extra[0]} ({shape} {_dtype(dtype)}), which {owner} does not have{more}"
     for k, want in spec.items():
         shape, dtype = found[k]
         if tuple(shape) != want.shape or dtype not in want.dtypes:
@@ -103,12 +108,16 @@ def compare(found: Found, spec: Spec) -> str | None:
     return None
 
 
-def nonfinite(name: str, t: torch.Tensor) -> str | None:
-    """The problem of a floating tensor holding inf/NaN, as text; None when it is finite (or not floating)."""
+def nonfinite(name: str, t: torch.Tensor, low: float | None = None) -> str | None:
+    """The problem of a floating tensor holding inf/NaN (or, with `low`, values below it), as text; None when its
+    values are fine (or it is not floating)."""
     if not t.is_floating_point():
         return None
     bad = t.numel() - int(torch.isfinite(t).sum())
-    return f"tensor {name} holds {bad} inf/NaN values (of {t.numel()})" if bad else None
+    if bad:
+        return f"tensor {name} holds {bad} inf/NaN values (of {t.numel()})"
+    below = int((t < low).sum()) if low is not None else 0
+    return f"tensor {name} holds {below} values below {low:g} (of {t.numel()})" if below else None
 
 
 def read_header(file: str | Path, flag: str = "") -> tuple[Found, dict[str, str]]:
@@ -121,11 +130,12 @@ def read_header(file: str | Path, flag: str = "") -> tuple[Found, dict[str, str]
                 found[k] = (tuple(s.get_shape()), DTYPES.get(s.get_dtype(), s.get_dtype()))
             return found, dict(f.metadata() or {})
     except SafetensorError as e:  # junk, or a header that does not describe the file
-        raise ContentError(f"{_where(file, flag)}: not a readable safetensors file "
+        raise ContentError(f"{located(file, flag)}: not a readable safetensors file "
                            f"({' '.join(str(e).split())[:200]})") from None
 
 
-def _where(file: str | Path, flag: str) -> str:
+def located(file: str | Path, flag: str) -> str:
+    """`file` as an error message names it: after the flag it was given with, if any."""
     return f"{flag}: {file}" if flag else str(file)
 
 
@@ -143,15 +153,16 @@ def expect_tensors(file: str | Path, spec: Spec | None, flag: str = "", model: s
         read_header(file, flag)[0]
     problem = compare(found, spec) if spec is not None else None
     if problem:
-        raise ContentError(f"{_where(file, flag)} does not fit {model}: {problem}")
+        raise ContentError(f"{located(file, flag)} does not fit {model}: {problem}")
     names = [k for k in (spec if spec is not None else found) if found[k][1] in FLOATS]
+    low = {k: spec[k].low for k in names} if spec is not None else {}
     if tensors is not None:
-        problem = next((p for k in names if (p := nonfinite(k, tensors[k]))), None)
+        problem = next((p for k in names if (p := nonfinite(k, tensors[k], low.get(k)))), None)
     else:
         with safe_open(str(file), "pt") as f:
-            problem = next((p for k in names if (p := nonfinite(k, f.get_tensor(k)))), None)
+            problem = next((p for k in names if (p := nonfinite(k, f.get_tensor(k), low.get(k)))), None)
     if problem:
-        raise ContentError(f"{_where(file, flag)}: {problem}")
+        raise ContentError(f"{located(file, flag)}: {problem}")
 
 
 # ---- the sharded head's files: the format head_shard.py writes and reads -------------------------------------------
@@ -172,7 +183,8 @@ def shard_name(start: int, n: int) -> str:
 def head_spec(n: int, dim: int) -> Spec:
     """A shard of n classes: its rows of the weight and of the AdamW moments, and each row's step count."""
     rows = Want((n, dim), (torch.float32,))
-    return {"weight": rows, "exp_avg": rows, "exp_avg_sq": rows, "row_steps": Want((n,), (torch.int64,))}
+    return {"weight": rows, "exp_avg": rows, "exp_avg_sq": Want((n, dim), (torch.float32,), low=0.0),
+            "row_steps": Want((n,), (torch.int64,))}
 
 
 def head_files(ckpt_dir: str | Path, dim: int | None = None, flag: str = "") -> list[HeadShard]:
@@ -193,9 +205,9 @@ def head_files(ckpt_dir: str | Path, dim: int | None = None, flag: str = "") -> 
         try:
             s = HeadShard(f, int(meta["class_start"]), int(meta["num_local"]), int(meta["num_classes"]))
         except (KeyError, ValueError):
-            raise ContentError(f"{_where(f, flag)}: not a vtrain head shard (no class range in its metadata)") \
+            raise ContentError(f"{located(f, flag)}: not a vtrain head shard (no class range in its metadata)") \
                 from None
-        where = f"{_where(f, flag)} (classes {s.start}..{s.start + s.n} of {s.classes}, its metadata says)"
+        where = f"{located(f, flag)} (classes {s.start}..{s.start + s.n} of {s.classes}, its metadata says)"
         if not (0 <= s.start and s.n >= 1 and s.start + s.n <= s.classes) or f.name != shard_name(s.start, s.n):
             raise ContentError(f"{where}: a class range that does not fit the file's name or the class count")
         if dim is None:  # no model to say it: the first shard's width, which every other shard must share
@@ -210,11 +222,11 @@ def head_files(ckpt_dir: str | Path, dim: int | None = None, flag: str = "") -> 
     expect = 0
     for s in shards:
         if s.start != expect:
-            raise ContentError(f"{_where(d, flag)}: head shards do not tile classes 0..{s.classes} (gap or overlap "
+            raise ContentError(f"{located(d, flag)}: head shards do not tile classes 0..{s.classes} (gap or overlap "
                                f"at {expect})")
         expect = s.start + s.n
     if shards and expect != shards[0].classes:
-        raise ContentError(f"{_where(d, flag)}: head shards end at class {expect}, not {shards[0].classes}")
+        raise ContentError(f"{located(d, flag)}: head shards end at class {expect}, not {shards[0].classes}")
     return shards
 
 
@@ -228,7 +240,7 @@ def recorded_classes(path: str | Path, cfg: RunConfig, flag: str = "") -> int | 
     if cfg.task == "metric" and cfg.model.head_parallel == "sharded":
         shards = head_files(path, cfg.model.embedding_dim, flag)
         if not shards:
-            raise ContentError(f"{_where(path, flag)}: a --head-parallel sharded checkpoint without head shards "
+            raise ContentError(f"{located(path, flag)}: a --head-parallel sharded checkpoint without head shards "
                                f"({ckpt.HEAD}/classes_*.safetensors)")
         return shards[0].classes
     if not (path / ckpt.MODEL).is_file():
@@ -236,17 +248,16 @@ def recorded_classes(path: str | Path, cfg: RunConfig, flag: str = "") -> int | 
     found, _ = read_header(path / ckpt.MODEL, flag)
     name = CLASSIFIER[cfg.task]
     if name not in found or len(found[name][0]) != 2:
-        raise ContentError(f"{_where(path / ckpt.MODEL, flag)}: lacks the {cfg.task} classifier {name}")
+        raise ContentError(f"{located(path / ckpt.MODEL, flag)}: lacks the {cfg.task} classifier {name}")
     classes = found[name][0][0]
-    cats = path / ckpt.CATEGORIES
-    if cfg.task == "dino" and cats.is_file():
+    if cfg.task == "dino":
         try:
-            listed = json.loads(cats.read_text())
-        except ValueError as e:
-            raise ContentError(f"{_where(cats, flag)}: not valid JSON ({e})") from None
-        if not isinstance(listed, list) or len(listed) != classes:
-            got = f"lists {len(listed)} classes" if isinstance(listed, list) else "holds no list of classes"
-            raise ContentError(f"{_where(cats, flag)}: {got}; the model's {name} has {classes} rows")
+            listed = ckpt.read_categories(path)  # the rules of the COCO reader (records.categories)
+        except VtrainError as e:
+            raise ContentError(f"{flag}: {e}" if flag else str(e)) from None
+        if listed is not None and len(listed) != classes:
+            raise ContentError(f"{located(path / ckpt.CATEGORIES, flag)}: lists {len(listed)} classes; the model's "
+                               f"{name} has {classes} rows")
     return classes
 
 

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from vtrain.config import RunConfig
 from vtrain.dist import all_sum, all_true
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine.content import ContentError, head_files, nonfinite, shard_name
+from vtrain.engine.content import ContentError, head_files, head_spec, nonfinite, shard_name
 from vtrain.errors import VtrainError
 from vtrain.models.partial_fc import PartialFC
 
@@ -156,7 +156,8 @@ def read_rows(ckpt_dir: Path, start: int, n: int, num_classes: int | None, dim: 
               names: tuple[str, ...] = ("weight",), finite: bool = True) -> dict[str, torch.Tensor]:
     """Rows [start, start+n) of the named head tensors, stitched from the shard files that hold them (sliced reads:
     only the rows needed are read). The shards are checked first (content.head_files: class ranges that tile,
-    shapes and dtypes against their metadata and `dim`), and, with `finite`, the rows read must be finite."""
+    shapes and dtypes against their metadata and `dim`), and, with `finite`, the rows read must be finite (and
+    second moments >= 0: content.head_spec)."""
     files = head_files(ckpt_dir, dim)
     if not files:
         raise VtrainError(f"{ckpt_dir}: no sharded head ({ckpt.HEAD}/classes_*.safetensors)")
@@ -172,7 +173,7 @@ def read_rows(ckpt_dir: Path, start: int, n: int, num_classes: int | None, dim: 
         with safe_open(str(shard.file), "pt") as sf:
             for name in names:
                 rows = sf.get_slice(name)[lo - s:hi - s]
-                problem = nonfinite(name, rows) if finite else None
+                problem = nonfinite(name, rows, head_spec(1, 1)[name].low) if finite else None
                 if problem:
                     raise ContentError(f"{shard.file}: {problem} in classes {lo}..{hi}")
                 parts[name].append(rows)

@@ -20,6 +20,7 @@ from torch import nn
 from vtrain import guarded
 from vtrain.dist import all_mean_, all_true
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine import content_state
 from vtrain.engine import precision as prec
 from vtrain.engine.active import active_facts, verify_active
 from vtrain.engine.compile import compiled_blocks
@@ -312,14 +313,9 @@ class ParallelEngine:
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / ckpt.FSDP))
 
     def load(self, path: Path) -> None:
-        # Accelerate reads the RNG states inside `except Exception: "Could not load random states"`, so a refused
-        # (doctored) file would be skipped silently and the resume quietly lose them: read it first with
-        # Accelerate's own loader, so a refusal is the usual one-line error (tests/test_safety.py).
-        from accelerate.utils import load as accelerate_load
-
-        rng = path / ckpt.ACCELERATE / f"random_states_{self.accelerator.process_index}.pkl"
-        if rng.is_file():
-            accelerate_load(rng)
+        """Model + optimizer + this rank's RNG. The files vtrain can check before they are read were checked by the
+        checkpointer (its RNG state, Accelerate's optimizer file: engine/content_state.py); FSDP2's distributed
+        checkpoint is checked here against the state it is loaded into. Collective under FSDP2 and DeepSpeed."""
         self.accelerator.load_state(str(path / ckpt.ACCELERATE))
         if self.plan.kind == "fsdp":
             import torch.distributed.checkpoint as dcp
@@ -330,10 +326,43 @@ class ParallelEngine:
             check_dcp([path / ckpt.FSDP])  # DCP reads its .metadata with plain pickle.load
             msd, osd = get_state_dict(self.model, self.optimizer)
             state = {"model": msd, "optim": osd}
+            # the same metadata on every rank: all ranks stop alike (no collective is left waiting)
+            content_state.expect_dcp(path / ckpt.FSDP, state, "--resume")
             with dcp_refusals(path / ckpt.FSDP):
                 dcp.load(state, checkpoint_id=str(path / ckpt.FSDP))
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
+
+    def optimizer_groups(self) -> list[list[tuple[str, torch.Tensor]]]:
+        """The optimizer's parameters with their names, per group (DDP and one process: what optimizer.bin holds
+        the state of, content_state.expect_optimizer)."""
+        names = {id(p): n for n, p in self.unwrapped.named_parameters()}
+        return [[(names.get(id(p), "?"), p) for p in g["params"]] for g in self._stepping_optimizer().param_groups]
+
+    def optimizer_states(self) -> list[tuple[str, torch.Tensor, Any]]:
+        """(name, parameter, state) of every parameter the stepping optimizer holds a state for, as loaded: the
+        model's parameters (DDP, FSDP2: DTensors), DeepSpeed's flat fp32 partitions ("group G" of its base
+        optimizer). Empty where DeepSpeed swaps the state out to NVMe (not in memory to check)."""
+        opt = self._stepping_optimizer()
+        if self.plan.kind == "deepspeed":
+            if getattr(opt, "swap_optimizer", False):
+                return []
+            opt = getattr(opt, "optimizer", opt)  # the torch optimizer over the flat partitions
+            return [(f"group {i}" + (f" part {j}" if len(g["params"]) > 1 else ""), p, opt.state[p])
+                    for i, g in enumerate(opt.param_groups) for j, p in enumerate(g["params"]) if p in opt.state]
+        names = {id(p): n for n, p in self.unwrapped.named_parameters()}
+        return [(names.get(id(p), "?"), p, opt.state[p]) for g in opt.param_groups for p in g["params"]
+                if p in opt.state]
+
+    def optimizer_file(self, path: Path) -> Path:
+        """Where this rank's optimizer state lies in checkpoint `path` (for messages)."""
+        if self.plan.kind == "fsdp":
+            return path / ckpt.FSDP
+        if self.plan.kind == "deepspeed":
+            mine = sorted((path / ckpt.ACCELERATE / ckpt.DS_TAG).glob(
+                f"*zero_pp_rank_{self.accelerator.process_index}_*optim_states.pt"))
+            return mine[0] if mine else path / ckpt.ACCELERATE / ckpt.DS_TAG
+        return path / ckpt.ACCELERATE / "optimizer.bin"
 
     def use_universal_checkpoint(self) -> None:
         """Before prepare: the DeepSpeed engine will load a universal checkpoint (another world size). Accelerate

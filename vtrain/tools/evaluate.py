@@ -3,21 +3,22 @@ them, else model.safetensors), for `vtrain eval` and `vtrain predict`, and `vtra
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from safetensors.torch import load_file
 from torch import nn
 
 from vtrain import guarded
 from vtrain.config import DataConfig, RunConfig, load_run_config, replace
+from vtrain.config_values import coerce, read_yaml
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import content
 from vtrain.engine.ema import weights_file
-from vtrain.errors import VtrainError
+from vtrain.errors import VtrainError, shown
 from vtrain.models.backbones import load_strict
 from vtrain.tasks import build_model, build_task
 
@@ -36,6 +37,17 @@ class LoadedModel:
     """Detection: COCO categories (id, name) in label order, when the checkpoint has them."""
     weights: str = "model"
     """Which weights were loaded: ema (ema.safetensors) or model."""
+
+
+def saved_data(config: Path) -> dict[str, Any]:
+    """The `data` section of a checkpoint's config.yaml, read like the rest of it (config_values.read_yaml: bounded
+    in depth and aliases) and each key it knows coerced to its DataConfig type: eval and predict default to it."""
+    data = read_yaml(config, "checkpoint config").get("data") or {}
+    if not isinstance(data, dict):
+        raise VtrainError(f"checkpoint config: {config}: section 'data' must be a mapping, got {shown(data)}")
+    hints = typing.get_type_hints(DataConfig)
+    return {k: coerce(v, hints[k], f"checkpoint config {config}: data.{k}") for k, v in data.items()
+            if k in hints and v is not None}
 
 
 def checkpoint_task(checkpoint: str | Path) -> str:
@@ -65,7 +77,7 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     cfg = load_run_config(path / ckpt.CONFIG)
     if task_name is not None and task_name != cfg.task:
         raise VtrainError(f"{task_flag or f'--task {task_name}'}: {path} is a {cfg.task} checkpoint")
-    saved = yaml.safe_load((path / ckpt.CONFIG).read_text()).get("data") or {}
+    saved = saved_data(path / ckpt.CONFIG)
     # the model config.yaml records, with the class count the checkpoint records (content.py), and the weights
     # checked against it (names, shapes, dtypes, finite values) before they are loaded
     classes = content.recorded_classes(path, cfg, flag)
