@@ -3,7 +3,7 @@ synthetic sets of the real sizes, measured as a user runs it.
 
 Face sets (`faces`): insightface RecordIO directories with the real line counts of MS1MV3 (5,179,510 images of
 93,431 identities: 5.27M .idx lines), Glint360k (17,091,657 / 360,232: 17.45M) and WebFace42M (42,474,557 /
-2,059,906: 44.5M), docs/data_index.md §3. The `train.idx` is real and full size, its offsets increasing and as long
+2,059,906: 44.5M), docs/face.md §1.3. The `train.idx` is real and full size, its offsets increasing and as long
 as in a set of ~3 KB records; the `train.rec` is a sparse file of that size holding the header record, 64 tiny real
 JPEG image records and 8 identity-range records that all lines point at (legal RecordIO: a reader only seeks to an
 offset), so it takes a few KB of disk. The header's values are float32, as insightface writes them.
@@ -13,9 +13,10 @@ Per set the benchmark reports
   the data set's pickle (what each DataLoader worker receives), this rank's sampler memory per own sample at 8
   ranks (tracemalloc of what the epoch's iterator keeps), the index on disk;
 - `vtrain train --task metric --data DIR --num-workers W` (debug model, 16-d embeddings so the 2M-class head fits
-  this machine), with a fresh cache (cold: the index is built) and again with it (cached): time to the first
-  logged step, the peak PSS of the whole process tree (sum of /proc/<pid>/smaps_rollup Pss over the tree, sampled
-  every 0.2 s), the largest DataLoader worker's private memory (USS) and the main process's.
+  this machine; Partial FC over 10% of the classes, as such sets are trained), with a fresh cache (cold: the index
+  is built) and again with it (cached): time to the first logged step, the peak PSS of the whole process tree (sum
+  of /proc/<pid>/smaps_rollup Pss over the tree, sampled every 0.2 s), the largest DataLoader worker's private
+  memory (USS; and without the index pages only it has mapped so far) and the main process's.
 The run is stopped (SIGKILL, by pid) after --steps logged steps. `--vtrain-root` picks the checkout to measure
 (the before figures: an older checkout). Detection sets (COCO, Objects365) get their own function here later.
 
@@ -55,6 +56,7 @@ class FaceSize:
 
 
 FACE_SETS = {
+    "tiny": FaceSize(1_000, 10),  # the start-up that does not depend on the data's size, for reference
     "ms1mv3": FaceSize(5_179_510, 93_431),
     "glint360k": FaceSize(17_091_657, 360_232),
     "webface42m": FaceSize(42_474_557, 2_059_906),
@@ -86,7 +88,7 @@ def face_set(name: str, where: Path) -> Path:
     out.mkdir(parents=True)
     first = size.images + 1
     end = first + size.identities
-    span = size.images * RECORD_BYTES // IMAGE_POOL // 4 * 4
+    span = max(size.images * RECORD_BYTES // IMAGE_POOL // 4 * 4, 4096)
     image_at = [4096 + k * span for k in range(IMAGE_POOL)]
     identity_at = [4096 + IMAGE_POOL * span + 64 * k for k in range(IDENTITY_POOL)]
     with open(out / "train.rec", "wb") as f:
@@ -135,7 +137,8 @@ ds = RecordFaces(sys.argv[1], 112)
 opened = time.perf_counter() - t
 rss = me.memory_info().rss
 state = len(pickle.dumps(ds))
-s = ShardedEpochSampler(len(ds), 128, 0, 8, seed=0)
+batch = 128 if len(ds) >= 8 * 128 else 1
+s = ShardedEpochSampler(len(ds), batch, 0, 8, seed=0)
 tracemalloc.start()
 t = time.perf_counter()
 it = iter(s)
@@ -143,7 +146,7 @@ next(it)
 sampler_s = time.perf_counter() - t
 kept = tracemalloc.get_traced_memory()[0]
 tracemalloc.stop()
-own = s.batches_per_epoch * 128
+own = s.batches_per_epoch * batch
 print(json.dumps({"open_s": opened, "rss_after_open": rss, "pickle_bytes": state, "sampler_s": sampler_s,
                   "sampler_bytes": kept, "sampler_bytes_per_own_sample": kept / own, "images": len(ds),
                   "note": getattr(ds, "note", None)}))
@@ -178,14 +181,34 @@ def _rollup(pid: int) -> dict[str, int]:
     return out
 
 
-class TreeMonitor(threading.Thread):
-    """Samples the PSS of a process tree and each process's USS every `period` s; remembers the peaks."""
+def _private_of_files(pid: int, under: str) -> int:
+    """Private bytes of a process's mappings of files below `under` (the data index): page-cache pages that count
+    as private only while no other process maps them (/proc/<pid>/smaps)."""
+    total, inside = 0, False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if parts and "-" in parts[0] and not parts[0].endswith(":"):
+                    inside = len(parts) >= 6 and parts[5].startswith(under)
+                elif inside and parts[0] in ("Private_Clean:", "Private_Dirty:"):
+                    total += int(parts[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0
+    return total
 
-    def __init__(self, pid: int, period: float = 0.2) -> None:
+
+class TreeMonitor(threading.Thread):
+    """Samples the PSS of a process tree and each process's USS every `period` s; remembers the peaks. A worker's
+    USS includes the pages of the shared index that only it maps so far (a fault maps a whole large folio of the
+    page cache, up to 2 MiB); those are also recorded apart (`index_private`), and the rest is its own memory."""
+
+    def __init__(self, pid: int, index_dir: str, period: float = 0.2) -> None:
         super().__init__(daemon=True)
-        self.pid, self.period = pid, period
+        self.pid, self.period, self.index_dir = pid, period, index_dir
         self.peak_pss = 0
         self.uss: dict[int, int] = {}
+        self.own: dict[int, int] = {}
         self.role: dict[int, str] = {}
         self.stop = threading.Event()
 
@@ -223,11 +246,15 @@ class TreeMonitor(threading.Thread):
                 total += r.get("Pss", 0)
                 uss = r.get("Private_Clean", 0) + r.get("Private_Dirty", 0)
                 self.uss[p.pid] = max(self.uss.get(p.pid, 0), uss)
+                if self.role.get(p.pid) == "worker":
+                    own = uss - _private_of_files(p.pid, self.index_dir)
+                    self.own[p.pid] = max(self.own.get(p.pid, 0), own)
             self.peak_pss = max(self.peak_pss, total)
             self.stop.wait(self.period)
 
-    def largest(self, role: str) -> int:
-        return max((u for pid, u in self.uss.items() if self.role.get(pid) == role), default=0)
+    def largest(self, role: str, of: dict[int, int] | None = None) -> int:
+        return max((u for pid, u in (self.uss if of is None else of).items() if self.role.get(pid) == role),
+                   default=0)
 
 
 def train_run(data: Path, workers: int, cache: Path, vtrain_root: Path, steps: int, timeout: float) -> dict:
@@ -235,11 +262,12 @@ def train_run(data: Path, workers: int, cache: Path, vtrain_root: Path, steps: i
     out = Path(tempfile.mkdtemp(prefix="vtrain_scale_run_"))
     cmd = [sys.executable, "-m", "vtrain", "train", "--task", "metric", "--data", str(data), "--num-workers",
            str(workers), "--output-dir", str(out / "run"), "--max-steps", str(steps + 100), "--log-every", "1",
-           "--batch-size", "16", "--embedding-dim", "16", "--mixed-precision", "no", "--save-every", "100000"]
+           "--batch-size", "16", "--embedding-dim", "16", "--mixed-precision", "no", "--save-every", "100000",
+           "--head-parallel", "sharded", "--sample-rate", "0.1"]
     log = open(out / "log.txt", "w")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=vtrain_root, env=_env(vtrain_root, cache), stdout=log, stderr=subprocess.STDOUT)
-    mon = TreeMonitor(proc.pid)
+    mon = TreeMonitor(proc.pid, str(cache / "index"))
     mon.start()
     first = done = None
     metrics = out / "run" / "metrics.jsonl"
@@ -269,7 +297,8 @@ def train_run(data: Path, workers: int, cache: Path, vtrain_root: Path, steps: i
         raise RuntimeError(f"no step logged (exit {proc.returncode}):\n{text[-3000:]}")
     notes = [line.strip() for line in text.splitlines() if "float32" in line][:1]
     return {"first_step_s": first, "steps_s": done, "peak_tree_pss": mon.peak_pss,
-            "worker_uss_max": mon.largest("worker"), "main_uss": mon.largest("main"),
+            "worker_uss_max": mon.largest("worker"), "worker_own_max": mon.largest("worker", mon.own),
+            "main_uss": mon.largest("main"),
             "workers_seen": sum(r == "worker" for r in mon.role.values()), "log_note": notes[0] if notes else None}
 
 
@@ -297,7 +326,7 @@ def faces(args: argparse.Namespace) -> list[dict]:
                    "sampler_bytes_per_own_sample": warm["sampler_bytes_per_own_sample"], "note": warm["note"],
                    "runs": []}
             print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
-            for workers in [int(w) for w in args.workers.split(",")]:
+            for workers in [int(w) for w in args.workers.split(",") if w]:
                 for state in ("cold", "cached"):
                     if state == "cold":  # a cache without this set's index: the run builds it
                         shutil.rmtree(cache / "index", ignore_errors=True)
@@ -350,14 +379,18 @@ def render(doc: dict) -> None:
         out.append(f"| {r['set']} | {r['label']} | {lines / 1e6:.2f}M | {r['index_build_s']:.1f} s | "
                    f"{r['index_open_s']:.2f} s | {m(r['index_disk_bytes'])} | {r['pickle_bytes']} B | "
                    f"{r['sampler_bytes_per_own_sample']:.1f} B |")
-    out += ["", "`vtrain train --task metric --num-workers W` (debug model, batch 16, 16-d embeddings), stopped after "
-            "the logged steps:", "",
-            "| set | code | workers | index cache | first step | peak PSS, whole tree | largest worker USS | main USS |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += ["", "`vtrain train --task metric --num-workers W` (debug model, batch 16, 16-d embeddings, Partial FC "
+            "over 10% of the classes on one process), stopped after the logged steps. A worker's USS counts the "
+            "pages of the shared index that no other process has mapped yet (each fault maps a large page-cache "
+            "folio, up to 2 MiB); they are one copy in the page cache for all processes, and become shared as the "
+            "other workers touch them. The next column is the worker's USS without them.", "",
+            "| set | code | workers | index cache | first step | peak PSS, whole tree | largest worker USS | "
+            "its memory besides index pages | main USS |", "|---|---|---|---|---|---|---|---|---|"]
     for r in [r for r in doc["rows"] if r["kind"] == "faces"]:
         for x in r["runs"]:
             out.append(f"| {r['set']} | {r['label']} | {x['workers']} | {x['cache']} | {x['first_step_s']:.0f} s | "
-                       f"{g(x['peak_tree_pss'])} | {m(x['worker_uss_max'])} | {g(x['main_uss'])} |")
+                       f"{g(x['peak_tree_pss'])} | {m(x['worker_uss_max'])} | "
+                       f"{m(x['worker_own_max']) if 'worker_own_max' in x else '-'} | {g(x['main_uss'])} |")
     notes = {r["set"]: r["note"] for r in doc["rows"] if r["kind"] == "faces" and r.get("note")}
     if notes:
         out += ["", "The line the run logs where the header's float32 range is made exact:", ""]
@@ -372,9 +405,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     f = sub.add_parser("faces", help="insightface RecordIO sets")
-    f.add_argument("--sets", default="glint360k,webface42m", help=f"comma list of {', '.join(FACE_SETS)}")
+    f.add_argument("--sets", default="tiny,glint360k,webface42m", help=f"comma list of {', '.join(FACE_SETS)}")
     f.add_argument("--workers", default="2,4")
-    f.add_argument("--steps", type=int, default=3)
+    f.add_argument("--steps", type=int, default=5)
     f.add_argument("--timeout", type=float, default=900)
     f.add_argument("--label", default="after", help="the name of the code measured (after / before)")
     f.add_argument("--vtrain-root", type=Path, default=ROOT, help="the checkout whose vtrain is run")

@@ -206,7 +206,7 @@ def _exact_range(r: RecordReader, header: IRHeader, property_classes: int | None
                           f"below 2^24, {r.idx_path} lists no identity records after image {first - 1} and no "
                           "`property` file gives a class count that agrees: the class count cannot be made exact")
     return first, end, (f"{r.rec_path}: header record 0 holds the image/identity boundary as float32 "
-                        f"({v_first:.0f}, {v_end:.0f}), not exact above 2^24; taken from {r.idx_path} and the records "
+                        f"({v_first:.0f}, {v_end:.0f}), exact only below 2^24; taken from {r.idx_path} and the records "
                         f"instead: images 1..{first - 1} (record {first - 1} is an image), {how}")
 
 
