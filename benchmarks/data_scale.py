@@ -132,10 +132,11 @@ from vtrain.data.recordio import RecordFaces
 from vtrain.data.sampler import ShardedEpochSampler
 
 me = psutil.Process()
+rss0 = me.memory_info().rss
 t = time.perf_counter()
 ds = RecordFaces(sys.argv[1], 112)
 opened = time.perf_counter() - t
-rss = me.memory_info().rss
+rss = me.memory_info().rss - rss0
 state = len(pickle.dumps(ds))
 batch = 128 if len(ds) >= 8 * 128 else 1
 s = ShardedEpochSampler(len(ds), batch, 0, 8, seed=0)
@@ -147,7 +148,7 @@ sampler_s = time.perf_counter() - t
 kept = tracemalloc.get_traced_memory()[0]
 tracemalloc.stop()
 own = s.batches_per_epoch * batch
-print(json.dumps({"open_s": opened, "rss_after_open": rss, "pickle_bytes": state, "sampler_s": sampler_s,
+print(json.dumps({"open_s": opened, "rss_of_open": rss, "pickle_bytes": state, "sampler_s": sampler_s,
                   "sampler_bytes": kept, "sampler_bytes_per_own_sample": kept / own, "images": len(ds),
                   "note": getattr(ds, "note", None)}))
 """
@@ -160,7 +161,8 @@ def _env(vtrain_root: Path, cache: Path) -> dict[str, str]:
 
 def probe(data: Path, vtrain_root: Path, cache: Path) -> dict:
     """Open the set in a fresh process: (index build or) open time, pickle, sampler memory."""
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(data)], env=_env(vtrain_root, cache),
+    # in vtrain_root: `python -c` puts the working directory first on sys.path
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(data)], cwd=vtrain_root, env=_env(vtrain_root, cache),
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"probe failed: {proc.stderr[-3000:]}")
@@ -265,6 +267,7 @@ def train_run(data: Path, workers: int, cache: Path, vtrain_root: Path, steps: i
            "--batch-size", "16", "--embedding-dim", "16", "--mixed-precision", "no", "--save-every", "100000",
            "--head-parallel", "sharded", "--sample-rate", "0.1"]
     log = open(out / "log.txt", "w")
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=vtrain_root, env=_env(vtrain_root, cache), stdout=log, stderr=subprocess.STDOUT)
     mon = TreeMonitor(proc.pid, str(cache / "index"))
@@ -296,7 +299,7 @@ def train_run(data: Path, workers: int, cache: Path, vtrain_root: Path, steps: i
     if first is None:
         raise RuntimeError(f"no step logged (exit {proc.returncode}):\n{text[-3000:]}")
     notes = [line.strip() for line in text.splitlines() if "float32" in line][:1]
-    return {"first_step_s": first, "steps_s": done, "peak_tree_pss": mon.peak_pss,
+    return {"first_step_s": first, "steps_s": done, "load_avg_1m": load, "peak_tree_pss": mon.peak_pss,
             "worker_uss_max": mon.largest("worker"), "worker_own_max": mon.largest("worker", mon.own),
             "main_uss": mon.largest("main"),
             "workers_seen": sum(r == "worker" for r in mon.role.values()), "log_note": notes[0] if notes else None}
@@ -321,7 +324,7 @@ def faces(args: argparse.Namespace) -> list[dict]:
             row = {"kind": "faces", "set": name, "label": args.label, "images": cold["images"],
                    "index_build_s": cold["open_s"], "index_open_s": warm["open_s"],
                    "index_disk_bytes": _du(cache / "index") if (cache / "index").is_dir() else 0,
-                   "rss_after_open": warm["rss_after_open"], "pickle_bytes": warm["pickle_bytes"],
+                   "rss_of_open": warm["rss_of_open"], "pickle_bytes": warm["pickle_bytes"],
                    "sampler_s": warm["sampler_s"], "sampler_bytes": warm["sampler_bytes"],
                    "sampler_bytes_per_own_sample": warm["sampler_bytes_per_own_sample"], "note": warm["note"],
                    "runs": []}
@@ -346,7 +349,8 @@ def faces(args: argparse.Namespace) -> list[dict]:
 BEFORE = {  # measured before the shared index on this 2-core machine, as filed (ranges over repeated runs)
     "glint360k": {"index": "0.81 GB per process, pickled whole to every worker (47-49 bytes per line)",
                   "sampler": "a list of (epoch, index) tuples: 0.7 GB per rank, 2 s per epoch",
-                  "run": "--num-workers 2: first step after 32-34 s; 5.8 GiB for the tree; 0.87 GiB private per worker"},
+                  "run": "--num-workers 2: first step after 32-34 s; 5.8 GiB for the tree; 0.87 GiB private per "
+                         "worker"},
     "webface42m": {"index": "2.0 GB per process, pickled whole to every worker (47-49 bytes per line)",
                    "sampler": "a list of (epoch, index) tuples: 1.7 GB per rank, 7 s per epoch",
                    "header": "float32 rounds the first identity key 42,474,558 to 42,474,560: two identity records "
@@ -365,37 +369,51 @@ def save(rows: list[dict], machine: str) -> None:
     render(doc)
 
 
+def _size(b: int) -> str:
+    return f"{b / 2**20:.0f} MiB" if b >= 2**20 else f"{b / 1024:.1f} KiB"
+
+
 def render(doc: dict) -> None:
     g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     m = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
     out = ["# Data at scale: start-up and memory of `vtrain train` on synthetic sets of real sizes", "",
            f"Machine: {doc['machine']}. Generated by `benchmarks/data_scale.py` (its docstring says how the sets are "
-           "made and what is measured). Timings are from a machine shared with other jobs: read them as rough.", "",
+           "made and what is measured). Timings are from a machine shared with other jobs (the 1-minute load average "
+           "at the start of each run is given beside it; 2 cores): read them as rough. Memory is what to compare. "
+           "`before` is the code before the shared index (the same benchmark, the same machine); `tiny` (1,000 "
+           "images) is the start-up that does not depend on the set's size.", "",
            "## Face sets (insightface RecordIO)", "",
-           "| set | code | .idx lines | index build (cold) | index open (cached, new process) | index on disk | "
-           "pickle per worker | sampler per own sample (8 ranks) |", "|---|---|---|---|---|---|---|---|"]
+           "| set | code | .idx lines | images read | index build (cold) | index open (cached, new process) | memory "
+           "the open set adds to a process (RSS) | index on disk | pickle per worker | sampler per own sample (8 "
+           "ranks) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in [r for r in doc["rows"] if r["kind"] == "faces"]:
         lines = r["images"] + 1 + FACE_SETS[r["set"]].identities
-        out.append(f"| {r['set']} | {r['label']} | {lines / 1e6:.2f}M | {r['index_build_s']:.1f} s | "
-                   f"{r['index_open_s']:.2f} s | {m(r['index_disk_bytes'])} | {r['pickle_bytes']} B | "
-                   f"{r['sampler_bytes_per_own_sample']:.1f} B |")
+        out.append(f"| {r['set']} | {r['label']} | {lines / 1e6:.2f}M | {r['images']:,} | {r['index_build_s']:.1f} s | "
+                   f"{r['index_open_s']:.2f} s | {m(r['rss_of_open'])} | {m(r['index_disk_bytes'])} | "
+                   f"{_size(r['pickle_bytes'])} | {r['sampler_bytes_per_own_sample']:.1f} B |")
     out += ["", "`vtrain train --task metric --num-workers W` (debug model, batch 16, 16-d embeddings, Partial FC "
             "over 10% of the classes on one process), stopped after the logged steps. A worker's USS counts the "
             "pages of the shared index that no other process has mapped yet (each fault maps a large page-cache "
             "folio, up to 2 MiB); they are one copy in the page cache for all processes, and become shared as the "
-            "other workers touch them. The next column is the worker's USS without them.", "",
-            "| set | code | workers | index cache | first step | peak PSS, whole tree | largest worker USS | "
-            "its memory besides index pages | main USS |", "|---|---|---|---|---|---|---|---|---|"]
+            "other workers touch them. The next column is the worker's USS without them. The main process's USS "
+            "holds the model and, for the large sets, the sharded face head with its AdamW moments (WebFace42M: "
+            "2,059,906 rows x 16 x 4 B x 3, 0.37 GiB) and, on one process, the sampler's order of the whole epoch "
+            "(4 B per sample, 162 MiB at WebFace42M); a cold run also builds the index (its peak).", "",
+            "| set | code | workers | index cache | first step (load avg) | peak PSS, whole tree | largest worker USS "
+            "| its memory besides index pages | main USS |", "|---|---|---|---|---|---|---|---|---|"]
     for r in [r for r in doc["rows"] if r["kind"] == "faces"]:
         for x in r["runs"]:
-            out.append(f"| {r['set']} | {r['label']} | {x['workers']} | {x['cache']} | {x['first_step_s']:.0f} s | "
+            load = f" ({x['load_avg_1m']:.0f})" if "load_avg_1m" in x else ""
+            out.append(f"| {r['set']} | {r['label']} | {x['workers']} | {x['cache']} | "
+                       f"{x['first_step_s']:.0f} s{load} | "
                        f"{g(x['peak_tree_pss'])} | {m(x['worker_uss_max'])} | "
                        f"{m(x['worker_own_max']) if 'worker_own_max' in x else '-'} | {g(x['main_uss'])} |")
     notes = {r["set"]: r["note"] for r in doc["rows"] if r["kind"] == "faces" and r.get("note")}
     if notes:
         out += ["", "The line the run logs where the header's float32 range is made exact:", ""]
         out += [f"- {name}: `{note}`" for name, note in notes.items()]
-    out += ["", "## Before (as filed, the same machine)", ""]
+    out += ["", "`images read`: the code before reads WebFace42M's header as float32 and takes two identity records "
+            "for images (42,474,559).", "", "## Before (as filed, the same machine)", ""]
     for name, figures in doc["before_as_filed"].items():
         out += [f"- **{name}**: " + "; ".join(f"{k}: {v}" for k, v in figures.items())]
     RESULTS.with_suffix(".md").write_text("\n".join(out) + "\n")
