@@ -134,15 +134,15 @@ def test_aspect_ratio_grouping_keeps_batch_count_and_disjoint_ranks():
     random.Random(0).shuffle(groups)
     per_rank = [ShardedEpochSampler(60, 4, r, 2, seed=1, group_ids=groups) for r in range(2)]
     assert per_rank[0].batches_per_epoch == 60 // 8
-    idx = [s.epoch_indices(0) for s in per_rank]
+    idx = [s.epoch_indices(0).tolist() for s in per_rank]
     assert len(idx[0]) == len(idx[1]) == 7 * 4 and not set(idx[0]) & set(idx[1])
     pure = 0
     for b in range(7):  # global micro-batch b = both ranks' b-th batch
         members = idx[0][b * 4:(b + 1) * 4] + idx[1][b * 4:(b + 1) * 4]
         pure += len({groups[i] for i in members}) == 1
     assert pure >= 5  # at most one mixed batch per group's leftovers
-    assert per_rank[0].epoch_indices(0) == per_rank[0].epoch_indices(0)
-    assert per_rank[0].epoch_indices(0) != per_rank[0].epoch_indices(1)
+    assert per_rank[0].epoch_indices(0).tolist() == per_rank[0].epoch_indices(0).tolist()
+    assert per_rank[0].epoch_indices(0).tolist() != per_rank[0].epoch_indices(1).tolist()
 
 
 def test_ground_truth_as_predictions_scores_ap_1(demo):

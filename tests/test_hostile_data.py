@@ -371,6 +371,17 @@ def _(c):
     return c.train("--data", str(c.rec([(jpeg(10), 0.0), (jpeg(90), -1.0)], 2)))
 
 
+@case("rec-index-damaged-in-the-cache", "error: data index", "offsets.npy", "is damaged", "delete that folder")
+def _(c):
+    from vtrain.data.recordio import RecordFaces
+
+    rec = c.rec([(jpeg(10), 0.0), (jpeg(90), 1.0)], 2)
+    index = RecordFaces(rec, 112).reader.index.folder  # built into the cache the command uses
+    offsets = index / "offsets.npy"
+    offsets.write_bytes(offsets.read_bytes()[:-8])  # a cut array: never used, named
+    return c.train("--data", str(rec))
+
+
 # ---- §4 data side: one line, at load or at the start of training ------------------------------------------------------
 
 @case("bin-nine-pairs", "x.bin: 9 pairs", "needs at least 10")

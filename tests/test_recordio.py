@@ -170,3 +170,84 @@ def test_bad_files_are_one_line_errors(faces, tmp_path, problem, message):
         for i in range(len(ds)):
             ds[i]
     assert "\n" not in str(e.value)
+
+
+# ---- header values float32 cannot hold: the image/identity boundary from train.idx ------------------------------
+F = 42_474_558  # WebFace42M's first identity key: float32 stores it as 42,474,560
+
+
+def _sparse_rec(root: Path, jpeg: bytes, first: int, identities: int, listed: bool, prop: int | None) -> RecordReader:
+    """An insightface-layout rec whose .idx lists only record 0, the last 3 images before `first` and (`listed`) the
+    identity records: legal RecordIO (keys are any integers), small, with the header's values above 2^24."""
+    root.mkdir()
+    with RecordWriter(root / "train.rec", root / "train.idx") as w:
+        w.write(0, pack(IRHeader(2, [first, first + identities]), b""))
+        for key in range(first - 3, first):
+            w.write(key, pack(IRHeader(0, float(key % identities), key, 0), jpeg))
+        for c in range(identities if listed else 0):
+            w.write(first + c, pack(IRHeader(2, [first - 3 + c, first - 2 + c], first + c, 0), b""))
+    if prop is not None:
+        (root / "property").write_text(f"{prop},112,112\n")
+    return RecordReader(root / "train.rec", root / "train.idx")
+
+
+@pytest.mark.parametrize("first,identities,listed,prop,want", [
+    (F, 3, True, None, "identities 42474558..42474560 (record 42474558 is the first identity record)"),
+    (F, 3, True, 7, "identities 42474558..42474560"),  # the records decide, not a property that disagrees
+    (F, 3, False, 3, "identity records not listed, 3 classes from property"),
+    (2**24 + 1, 2, True, None, "identities 16777217..16777218"),  # stored as 2^24 (a tie, rounded to even)
+    (F + 1, 2, True, None, "identities 42474559..42474560"),
+    (F, 3, False, None, "error: the class count cannot be made exact"),
+    (F, 3, False, 9, "error: the class count cannot be made exact"),  # F + 9 does not round to the stored end
+])
+def test_header_range_above_2_24_taken_from_the_idx(faces, tmp_path, first, identities, listed, prop, want):
+    from vtrain.data.recordio import _exact_range
+
+    _, samples = folder_samples(faces / "train")
+    r = _sparse_rec(tmp_path / "rec", samples[0][0], first, identities, listed, prop)
+    header = unpack(r.read(0))[0]
+    stored = [int(v) for v in header.label]
+    assert stored != [first, first + identities]  # what a reader of the header alone would take
+    if want.startswith("error: "):
+        with pytest.raises(VtrainError, match=want[7:]):
+            _exact_range(r, header, prop)
+        return
+    got_first, end, note = _exact_range(r, header, prop)
+    assert (got_first, end) == (first, first + identities)
+    assert f"images 1..{first - 1} (record {first - 1} is an image)" in note and want in note
+    assert "float32" in note and "\n" not in note
+
+
+def test_header_range_without_a_boundary_near_the_stored_value_is_an_error(faces, tmp_path):
+    from vtrain.data.recordio import _exact_range
+
+    _, samples = folder_samples(faces / "train")
+    root = tmp_path / "rec"
+    root.mkdir()
+    with RecordWriter(root / "train.rec", root / "train.idx") as w:  # images all the way past the stored value
+        w.write(0, pack(IRHeader(2, [F, F + 2]), b""))
+        for key in range(F - 4, F + 6):
+            w.write(key, pack(IRHeader(0, 0.0, key, 0), samples[0][0]))
+    r = RecordReader(root / "train.rec", root / "train.idx")
+    with pytest.raises(VtrainError, match=r"stores the first identity key as float32 \(42474560\).*none of the keys "
+                                          r"that round to it \(42474558\.\.42474562\)"):
+        _exact_range(r, unpack(r.read(0))[0], None)
+
+
+def test_exact_range_path_feeds_the_set_and_the_run_log(faces, tmp_path, monkeypatch):
+    """The whole path through RecordFaces and the task's notes, on a small set with the exactness limit lowered (a
+    set with 2^24 images is too large for a test; the rounding itself is covered above)."""
+    import vtrain.data.recordio as recordio
+    from vtrain.config import build_config
+    from vtrain.tasks.metric import MetricTask
+
+    ff, samples = folder_samples(faces / "train")
+    write_face_rec(tmp_path, samples, ff.num_classes)
+    plain = RecordFaces(tmp_path, 112)
+    assert plain.note is None
+    monkeypatch.setattr(recordio, "MAX_EXACT_LABEL", len(ff) + 1)  # end = first + 16 classes is "not exact"
+    task = MetricTask(build_config("metric", overrides={"data": {"path": str(tmp_path)}}))
+    ds = task.train_dataset()
+    assert (len(ds), ds.identities) == (len(plain), plain.identities) and ds.targets == plain.targets
+    assert task.notes == [ds.note] and f"images 1..{len(ff)}" in ds.note
+    assert f"identities {len(ff) + 1}..{len(ff) + ff.num_classes}" in ds.note

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from vtrain.errors import VtrainError
@@ -13,8 +15,11 @@ from vtrain.files import cache_root
 
 
 def cached_dir(name: str, write: Callable[[Path], None]) -> Path:
-    """Return cache_root()/name, calling write(tmp_dir) once to create it: written into a temp dir and renamed,
-    so concurrent ranks race safely and an interrupted write never leaves a half-filled directory."""
+    """Return cache_root()/name (`name` may hold a subfolder: `index/recordio-...`), calling write(tmp_dir) once to
+    create it: written into a temp dir and renamed, so an interrupted write never leaves a half-filled directory.
+    Processes that start together (8 ranks) take turns on a lock file beside it: one writes, the others wait and
+    then find it done, instead of each spending the build's memory and time on the same bytes. Where the lock
+    cannot be taken (a file system without locks) each writes its own copy and the first rename wins."""
     target = cache_root() / name
     if (target / "DONE").is_file():
         return target
@@ -22,8 +27,36 @@ def cached_dir(name: str, write: Callable[[Path], None]) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise VtrainError(f"VTRAIN_CACHE: cannot create {target.parent} ({e.strerror})") from None
+    with _turn(target.parent / f".{target.name}.lock"):
+        if (target / "DONE").is_file():  # built by the process that held the lock before us
+            return target
+        _write(target, name, write)
+    return target
+
+
+@contextlib.contextmanager
+def _turn(lock: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `lock` (created if needed; left in place: removing a lock file that another
+    process may be about to lock would let two writers in). Without a lock (read-only folder, no flock support)
+    the caller goes on unlocked: the write below reports a read-only cache in its own words."""
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}_", dir=target.parent))
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _write(target: Path, name: str, write: Callable[[Path], None]) -> None:
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}_", dir=target.parent))
     except OSError as e:  # read-only, full, or not ours: nothing was created
         raise VtrainError(f"VTRAIN_CACHE: cannot create a folder in {target.parent} to write {name} into "
                           f"({e.strerror})") from None
@@ -41,4 +74,3 @@ def cached_dir(name: str, write: Callable[[Path], None]) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target

@@ -3,9 +3,13 @@ identity-per-folder sets (torchvision's folder scanning) and verification pairs.
 
 from __future__ import annotations
 
+import hashlib
 import os
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +19,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, DataConfig
 from vtrain.data.images import decode_rgb  # noqa: F401  (the face sets' decoder; also imported from here)
+from vtrain.data.index import IndexWriter, open_index
 from vtrain.data.labels import check_labels
 from vtrain.errors import BadSample, VtrainError
 
@@ -111,50 +116,118 @@ class FaceSamples(Dataset):
 
 
 class FaceFolder(FaceSamples):
-    """root/<identity>/<image>; labels are the sorted identity folder indices."""
+    """root/<identity>/<image>; labels are the sorted identity folder indices.
+
+    The file list and labels are a memory-mapped index in the data cache (data/index.py), built by the first scan
+    of the tree and reused while the identity folders' listing is unchanged (`folder_identity`): every rank and
+    worker reads the same index, a worker receives its folder's path, and nothing here grows with the tree."""
 
     def __init__(self, root: str | Path, image_size: int, train: bool = True, seed: int = 0,
                  skip_bad: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         self.root, self.image_size, self.train, self.seed = Path(root), image_size, train, seed
         self.max_pixels = max_pixels
-        self.classes, self.samples, self.empty_files = scan_identity_tree(self.root)
-        if self.empty_files and not skip_bad:
-            raise BadSample(f"--data: {len(self.empty_files)} empty image files under {self.root}, e.g. "
+        source = folder_identity(self.root)
+        self.index = open_index("folders", FOLDER_INDEX_VERSION, source,
+                                lambda w: _build_folder_index(w, self.root))
+        info = self.index.info
+        if info["empty"] and not skip_bad:
+            raise BadSample(f"--data: {info['empty']} empty image files under {self.root}, e.g. "
                             f"{self.empty_files[0]}")
-        if len(self.classes) < 2:
+        if info["classes"] < 2:
             raise VtrainError(f"--data: need at least 2 identity folders with images under {self.root}")
         self.num_classes_source = f"the identity folders of {self.root}"
-        # folder indices are class ids by construction; checked like every other source's labels all the same
-        self.targets = check_labels([t for _, t in self.samples], len(self.classes), str(self.root),
-                                    lambda i: str(self.samples[i][0])).tolist()
 
     @property
     def num_classes(self) -> int:
-        return len(self.classes)
+        return self.index.info["classes"]
+
+    @property
+    def classes(self) -> list[str]:
+        """Identity folder names, sorted (a list made on each call: for tests and small sets)."""
+        return list(self.index.strings("classes"))
+
+    @property
+    def samples(self) -> FolderSamples:
+        """(path, class id) of every image, read from the index."""
+        return FolderSamples(self)
+
+    @property
+    def targets(self) -> list[int]:
+        """Class id of every image (a list made on each call: for tests and the held-out set)."""
+        return self.index.array("labels").tolist()
+
+    @property
+    def empty_files(self) -> list[str]:
+        return [str(self.root / rel) for rel in self.index.strings("empty")]
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return self.index.info["images"]
+
+    def path(self, idx: int) -> str:
+        return str(self.root / self.index.strings("paths")[idx])
 
     def _read(self, idx: int) -> tuple[torch.Tensor, int]:
-        path, label = self.samples[idx]
-        return decode_rgb(path, max_pixels=self.max_pixels), label
+        return decode_rgb(self.path(idx), max_pixels=self.max_pixels), int(self.index.array("labels")[idx])
 
 
-def scan_identity_tree(root: Path) -> tuple[list[str], list[tuple[str, int]], list[str]]:
-    """root/<identity>/**/<image>: (identity names, (path, label) samples, empty files left out).
+class FolderSamples(Sequence):
+    """A FaceFolder's images as a sequence of (path, class id)."""
+
+    def __init__(self, folder: FaceFolder) -> None:
+        self.folder = folder
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, i: int) -> tuple[str, int]:  # type: ignore[override]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        return self.folder.path(i), int(self.folder.index.array("labels")[i])
+
+
+FOLDER_INDEX_VERSION = 1  # the layout of an identity-folder index: raise it when the arrays change
+
+
+def folder_identity(root: Path) -> dict[str, Any]:
+    """What an identity tree's index is keyed by: its resolved path and the names and modification times of its
+    identity folders. Adding, removing or renaming an image directly in an identity folder, or an identity folder,
+    changes it (a new index); a change deeper down (inside a subfolder of an identity) or a file rewritten in
+    place does not: delete the index folder (or touch the identity folder) after such an edit."""
+    try:
+        dirs = sorted((e.name, e.stat().st_mtime_ns) for e in os.scandir(root) if e.is_dir())
+    except OSError as e:
+        raise VtrainError(f"--data: cannot read {root} ({e.strerror})") from None
+    h = hashlib.sha256()
+    for name, mtime in dirs:
+        h.update(f"{name}\0{mtime}\n".encode("utf-8", "surrogateescape"))
+    return {"root": str(root.resolve()), "mtime_ns": root.stat().st_mtime_ns, "identities": len(dirs),
+            "listing_sha256": h.hexdigest()}
+
+
+def _build_folder_index(w: IndexWriter, root: Path) -> None:
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    labels, empty = array("i"), []
+    w.strings("paths", scan_identity_tree(root, classes, labels, empty))
+    w.strings("classes", classes)
+    w.strings("empty", empty)
+    lab = np.frombuffer(labels, np.int32) if labels else np.zeros(0, np.int32)
+    # folder indices are class ids by construction; checked like every other source's labels all the same
+    check_labels(lab, len(classes), str(root), lambda i: f"image {i}")
+    w.array("labels", lab)
+    w.info.update(images=len(labels), classes=len(classes), empty=len(empty))
+
+
+def scan_identity_tree(root: Path, classes: list[str], labels: array, empty: list[str]) -> Iterator[str]:
+    """root/<identity>/**/<image>: yields each image's path relative to root, appending its class id (the index of
+    its identity in `classes`) to `labels`; empty files are left out and listed in `empty`.
 
     Directory symlinks are followed, but a directory reached twice (a symlink loop, or two identities that are
     the same folder) is an error: it would silently multiply an identity or give its images two labels."""
-    try:
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
-    except OSError as e:
-        raise VtrainError(f"--data: cannot read {root} ({e.strerror})") from None
     seen: dict[tuple[int, int], Path] = {}
-    samples: list[tuple[str, int]] = []
-    empty: list[str] = []
     exts = tuple(IMG_EXTENSIONS)
 
-    def walk(d: Path, label: int) -> None:
+    def walk(d: Path, rel: str, label: int) -> Iterator[str]:
         st = d.stat()
         if (st.st_dev, st.st_ino) in seen:
             raise VtrainError(f"--data: {d} is the same directory as {seen[(st.st_dev, st.st_ino)]} (a symlink loop "
@@ -163,16 +236,16 @@ def scan_identity_tree(root: Path) -> tuple[list[str], list[tuple[str, int]], li
         entries = sorted(os.scandir(d), key=lambda e: e.name)
         for e in entries:
             if e.is_dir():
-                walk(Path(e.path), label)
+                yield from walk(Path(e.path), f"{rel}{e.name}/", label)
             elif e.is_file() and e.name.lower().endswith(exts):
                 if e.stat().st_size == 0:
-                    empty.append(e.path)
+                    empty.append(rel + e.name)
                 else:
-                    samples.append((e.path, label))
+                    labels.append(label)
+                    yield rel + e.name
 
     for label, name in enumerate(classes):
-        walk(root / name, label)
-    return classes, samples, empty
+        yield from walk(root / name, f"{name}/", label)
 
 
 def read_pairs(path: Path) -> list[tuple[str, str, bool]]:

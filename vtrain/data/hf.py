@@ -26,7 +26,7 @@ import torch
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
 from vtrain.data.coco import CocoDetection, coco_from_dict
-from vtrain.data.faces import FaceFolder
+from vtrain.data.faces import FaceSamples
 from vtrain.data.images import decode_rgb, image_size
 from vtrain.data.labels import check_labels
 from vtrain.errors import BadSample, VtrainError
@@ -151,9 +151,9 @@ class _Samples(Sequence):
         return self.images[i], self.labels[i]
 
 
-class HfFaces(FaceFolder):
-    """`image` + `label` rows as FaceFolder samples: the same decoding, resize, [-1, 1] scaling and
-    (epoch, index)-seeded flip (FaceFolder.__getitem__)."""
+class HfFaces(FaceSamples):
+    """`image` + `label` rows as face samples: the same decoding, resize, [-1, 1] scaling and (epoch, index)-seeded
+    flip as FaceFolder (FaceSamples.__getitem__), and FaceFolder's `samples` / `targets` / `classes`."""
 
     def __init__(self, ds, where: str, image_size: int, train: bool = True, seed: int = 0,
                  max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
@@ -181,6 +181,17 @@ class HfFaces(FaceFolder):
             raise VtrainError(f"--data {where}: need at least 2 identities (labels), found {len(self.classes)}")
         self.samples = _Samples(ImageColumn(ds, where), labels)
         self.targets = labels
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _read(self, idx: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[idx]
+        return decode_rgb(path, max_pixels=self.max_pixels), label
 
 
 def _category_feature(objects_feature):

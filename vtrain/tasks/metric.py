@@ -70,6 +70,8 @@ class MetricTask:
                                   "data; train on a RecordIO dir (train.rec + train.idx) or identity folders")
             if d.layout == "recordio":
                 self._train = RecordFaces(d.train_dir, size, train=True, seed=seed, max_pixels=limit)
+                if self._train.note:  # the header's float32 range made exact from train.idx
+                    self.notes.append(self._train.note)
             else:
                 self._train = FaceFolder(d.train_dir, size, train=True, seed=seed,
                                          skip_bad=self.cfg.data.skip_bad_images, max_pixels=limit)
