@@ -171,8 +171,9 @@ def test_checkpoint_resplits_for_another_world_size(tmp_path):
     cfg = _cfg()
     heads = [ShardedHead(cfg, C, r, 2, torch.device("cpu")) for r in range(2)]
     for r, h in enumerate(heads):
-        for t in (h.fc.weight.data, h.exp_avg, h.exp_avg_sq):
+        for t in (h.fc.weight.data, h.exp_avg):
             t.copy_(torch.randn_like(t))
+        h.exp_avg_sq.copy_(torch.rand_like(h.exp_avg_sq))  # a second moment is >= 0 (the reader checks it)
         h.row_steps.copy_(torch.randint(0, 9, h.row_steps.shape))
         h.save(tmp_path)
     full = {k: torch.cat([getattr(h, k) if k != "weight" else h.fc.weight.detach() for h in heads])

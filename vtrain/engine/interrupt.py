@@ -58,18 +58,25 @@ class GracefulInterrupt:
             os.kill(os.getpid(), signum)
             return
         if self.signum:  # second signal: leave now (the watcher thread may have done so already)
-            os._exit(128 + signum)
+            self._leave(signum)
         self.signum = signum
         self.announce(signum)
 
     def announce(self, signum: int) -> None:
         """The first signal's line, printed once, by the handler or the watcher thread, whichever runs first."""
-        with self._lock:
+        with self._lock:  # printed under the lock: `_leave` waits for a line being printed by the other thread
             if self._announced:
                 return
             self._announced = True
-        print(f"received {signal.Signals(signum).name}: finishing this step and writing a checkpoint "
-              "(send it again to exit at once)", file=sys.stderr, flush=True)
+            print(f"received {signal.Signals(signum).name}: finishing this step and writing a checkpoint "
+                  "(send it again to exit at once)", file=sys.stderr, flush=True)
+
+    def _leave(self, signum: int) -> None:
+        """Exit at once on a second signal, once the first signal's line is out (the handler and the watcher thread
+        both hear both signals: the one that exits must not cut the other's print short)."""
+        with self._lock:
+            sys.stderr.flush()
+            os._exit(128 + signum)
 
     def heard(self, count: int, signum: int) -> None:
         """From the watcher thread: the `count`-th signal this process received. The second one ends the process
@@ -78,8 +85,7 @@ class GracefulInterrupt:
             self.announce(signum)
             return
         self.announce(signum)
-        sys.stderr.flush()
-        os._exit(128 + signum)
+        self._leave(signum)
 
     def use_group(self, world: int) -> None:
         """Collective: a gloo group for the per-step agreement (the default group may be NCCL)."""
