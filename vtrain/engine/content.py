@@ -148,7 +148,7 @@ def expect_tensors(file: str | Path, spec: Spec | None, flag: str = "", model: s
     must fit, for the message. A problem raises a ContentError: `FLAG: FILE does not fit MODEL: tensor ...`."""
     file = Path(file)
     if tensors is None and file.suffix != ".safetensors":
-        tensors = read_state_dict(file)
+        tensors = read_state_dict(file, flag)
     found = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} if tensors is not None else \
         read_header(file, flag)[0]
     problem = compare(found, spec) if spec is not None else None

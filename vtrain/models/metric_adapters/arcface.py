@@ -26,7 +26,8 @@ _BACKBONE = re.compile(r"^(pos_embed|patch_embed\.proj\.(weight|bias)|norm\.(wei
 _BN = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 # feature.0 Linear (tokens x width -> width), feature.1 BatchNorm1d, feature.2 Linear (width -> embedding), feature.3
 _NECK = {"feature.0.weight": "neck.reduce.weight", "feature.2.weight": "neck.proj.weight",
-         **{f"feature.1.{s}": f"neck.reduce_norm.{s}" for s in _BN}, **{f"feature.3.{s}": f"neck.norm.{s}" for s in _BN}}
+         **{f"feature.1.{s}": f"neck.reduce_norm.{s}" for s in _BN},
+         **{f"feature.3.{s}": f"neck.norm.{s}" for s in _BN}}
 UNUSED = {"mask_token": "arcface_torch's train-time token masking (mask_ratio), which vtrain does not do"}
 
 
