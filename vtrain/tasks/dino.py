@@ -128,7 +128,7 @@ class DinoTask:
         layout. Class-specific tensors of another class count are left at their initialisation."""
         m = self.cfg.model
         path = m.pretrained
-        sd = read_state_dict(path)
+        sd = read_state_dict(path, "--pretrained")
         if any(k.startswith("backbone.body.") for k in sd):
             own = model.state_dict()
             unexpected = [k for k in sd if k not in own]

@@ -98,7 +98,7 @@ class MetricTask:
     def load_pretrained(self, model: MetricModel) -> str:
         """Load --pretrained: a full vtrain model file (keys backbone./neck./head.) or a timm backbone file."""
         m = self.cfg.model
-        sd = read_state_dict(m.pretrained)
+        sd = read_state_dict(m.pretrained, "--pretrained")
         if any(k.startswith("backbone.") for k in sd):
             own = model.state_dict()
             head_ok = "head.weight" in own and sd.get("head.weight", torch.empty(0)).shape == own["head.weight"].shape
