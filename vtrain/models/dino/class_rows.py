@@ -117,7 +117,8 @@ def describe_plan(plan: RowPlan, new_categories: Sequence[Mapping[str, Any]] | N
     if plan.as_is:
         how = "same names" if plan.by_name else "same count; the checkpoint records no class names"
         return f"class tensors loaded as is ({plan.new} classes, {how})"
-    text = f"class tensors [{describe_keys(keys)}] re-initialised for {plan.old} → {plan.new} classes"
+    # (no square brackets: the log line is printed through rich, which reads them as markup)
+    text = f"class tensors ({describe_keys(keys)}) re-initialised for {plan.old} → {plan.new} classes"
     kept = len(plan.pairs)
     if not plan.by_name:
         return text + " (the checkpoint records no class names: no rows kept)"
