@@ -158,7 +158,7 @@ class ModelConfig:
                "plans the activation checkpointing: it needs --grad-ckpt auto")
         if self.pretrained is not None:
             _check(Path(self.pretrained).exists(), "--pretrained",
-                   f"no such weights file or checkpoint directory: {self.pretrained}")
+                   f"weights file or checkpoint directory not found: {self.pretrained}")
         # upper bounds: the denoising attention mask and the matcher grow with the square of the query count
         # (recipes use 900 and 100-300; docs/dino.md §1.1), so a typo must not allocate terabytes
         _check(self.num_queries is None or 0 < self.num_queries <= MAX_QUERIES, "--num-queries",

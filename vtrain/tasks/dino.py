@@ -140,15 +140,8 @@ class DinoTask:
         self.size, self.max_size = size, max_size
 
     def check_eval_data(self) -> None:
-        """Load and check the evaluation set now (at the start of training), not first at evaluation time. Its
-        categories must be the training set's: evaluation names label i by the evaluation set's i-th category id."""
-        val = self.val_dataset()
-        if val is not None and val.categories != self.train_dataset().categories:
-            ids = [c["id"] for c in val.categories]
-            train_ids = [c["id"] for c in self.train_dataset().categories]
-            raise VtrainError(f"the evaluation set's categories ({_ids(ids)}) are not the training set's "
-                              f"({_ids(train_ids)}): give the evaluation annotations of these classes (--val-ann, "
-                              "--val-images)")
+        """Load and check the evaluation set now (at the start of training), not first at evaluation time."""
+        self.val_dataset()
 
     @staticmethod
     def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -273,10 +266,6 @@ def _mismatch(misfit: list[str], missing: list[str], unexpected: list[str], sd: 
         if names:
             out.append(f"{len(names)} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
     return out
-
-
-def _ids(ids: list[int]) -> str:
-    return f"{len(ids)} classes, ids {', '.join(map(str, ids[:5]))}{', ...' if len(ids) > 5 else ''}"
 
 
 def _pct(v: float | None) -> str:
