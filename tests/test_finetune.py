@@ -121,6 +121,15 @@ def test_same_classes_load_as_is(sets):
     assert "class tensors loaded as is (4 classes, same names)" in msg, msg
 
 
+def test_a_folder_that_is_no_checkpoint_is_one_error(tmp_path):
+    from vtrain.engine.pretrained import resolve
+    from vtrain.errors import VtrainError
+
+    with pytest.raises(VtrainError, match="--pretrained: .* is neither a complete checkpoint nor a run directory"):
+        resolve(tmp_path)
+    assert resolve(tmp_path / "w.safetensors").categories is None  # a bare file: no class names
+
+
 @pytest.mark.parametrize("old,new,old_cats,new_cats,pairs,by_name", [
     (3, 3, None, None, [(0, 0), (1, 1), (2, 2)], False),  # a bare weights file, same count: the same classes
     (3, 4, None, ["a", "b", "c", "d"], [], False),  # a bare weights file, other count: nothing kept
