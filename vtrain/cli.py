@@ -403,33 +403,32 @@ def estimate_memory_cmd(
 @app.command()
 def presets() -> None:
     """List model presets with parameter counts (built on the meta device: instant, no memory)."""
-    import torch
-    from rich.table import Table
-
     from vtrain.engine.logging import console
-    from vtrain.models.backbones import build_backbone
-    from vtrain.models.dino import DINO, count_parameters
-    from vtrain.presets import DINO_PRESETS, METRIC_PRESETS
+    from vtrain.tools.presets_table import preset_tables
 
-    t = Table(title="--task metric: backbones (112x112)")
-    for col in ("preset", "timm model", "backbone params", "description"):
-        t.add_column(col)
-    for name, fn in METRIC_PRESETS.items():
-        p = fn()
-        with torch.device("meta"):
-            n = sum(x.numel() for x in build_backbone(name, 112).parameters())
-        t.add_row(name, p.timm_name, f"{n / 1e6:.2f}M", p.description)
-    console.print(t)
-    t = Table(title="--task dino: detectors (80 classes)")
-    for col in ("preset", "timm backbone", "levels", "backbone", "total", "description"):
-        t.add_column(col)
-    for name, fn in DINO_PRESETS.items():
-        p = fn()
-        with torch.device("meta"):
-            n = count_parameters(DINO(p, 80))
-        t.add_row(name, p.timm_name, str(p.levels), f"{n['backbone'] / 1e6:.2f}M", f"{n['total'] / 1e6:.2f}M",
-                  p.description)
-    console.print(t)
+    for table in preset_tables():
+        console.print(table)
+
+
+@app.command("convert")
+def convert_cmd(
+    src: Annotated[Path, typer.Argument(help="A published checkpoint file (e.g. arcface_torch model.pt)")],
+    out: Annotated[Path, typer.Argument(help="New run directory to write (its checkpoints/step_0)")],
+    source: Annotated[str, typer.Option("--from", help="What wrote SRC: arcface-vit (docs/convert.md)")],
+    model: Annotated[Optional[str], typer.Option("--model", help="Preset to fill (default: the one of the file's "
+                                                 "sizes, else the source's)")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT when it is an earlier `vtrain convert` output")] = False,
+) -> None:
+    """Convert a published checkpoint into a vtrain checkpoint that eval, predict, export and --pretrained read."""
+    from vtrain.engine.logging import console
+    from vtrain.tools.convert import convert
+
+    r = convert(src, out, source, model, overwrite)
+    for note in r.notes:
+        console.print(note, soft_wrap=True)
+    left = "".join(f"; left out {k} ({why})" for k, why in r.unused.items())
+    console.print(f"filled all {r.filled} tensors of --model {r.preset}{left}", soft_wrap=True)
+    console.print(f"wrote {r.checkpoint}", soft_wrap=True)
 
 
 def _leave_gloo_group() -> None:

@@ -160,7 +160,7 @@ class DinoTask:
         and keep the model's initialisation otherwise (models/dino/class_rows.py). Returns the one log line."""
         m = self.cfg.model
         path = str(weights or m.pretrained)
-        sd = read_state_dict(path)
+        sd = read_state_dict(path, "--pretrained")
         if any(k.startswith("backbone.body.") for k in sd):
             return self._load_detector(model, sd, path, categories)
         missing, unexpected = load_backbone_weights(model.backbone.body, sd)

@@ -104,11 +104,13 @@ class MetricTask:
         (detection's class names)."""
         m = self.cfg.model
         path = str(weights or m.pretrained)
-        sd = read_state_dict(path)
+        sd = read_state_dict(path, "--pretrained")
         if any(k.startswith("backbone.") for k in sd):
             own = model.state_dict()
             note = ""
-            if "head.weight" in own and "head.weight" in sd and sd["head.weight"].shape != own["head.weight"].shape:
+            if "head.weight" in own and "head.weight" not in sd:  # an embedding network (e.g. vtrain convert's)
+                note = f"; head.weight initialised for {own['head.weight'].shape[0]} identities (the file has none)"
+            elif "head.weight" in own and sd["head.weight"].shape != own["head.weight"].shape:
                 old, new = sd["head.weight"].shape[0], own["head.weight"].shape[0]
                 if sd["head.weight"].shape[1:] == own["head.weight"].shape[1:]:  # a different identity count
                     note = f"; head.weight re-initialised for {old} → {new} identities"
