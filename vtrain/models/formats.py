@@ -36,9 +36,10 @@ FORMATS: dict[str, Format] = {
     # insightface recognition/arcface_torch/backbones/vit.py: its feature layer `feature.0-3`, no class token
     "arcface-vit": Format("an arcface_torch ViT (insightface recognition/arcface_torch)",
                           keys=("patch_embed.proj.weight", "pos_embed", "feature.0.weight", "feature.3.running_var")),
-    # IDEA-Research/DINO models/dino/dino.py: backbone Joiner `backbone.0.body`, `input_proj`, `label_enc`
+    # IDEA-Research/DINO models/dino/dino.py: backbone Joiner `backbone.0` (the Swin itself; `backbone.0.body` for
+    # a ResNet), `input_proj`, `label_enc`
     "idea-dino": Format("an IDEA-Research DINO detector", keys=("label_enc.weight",),
-                        prefixes=("backbone.0.body.", "input_proj.0.", "transformer.encoder.layers.")),
+                        prefixes=("backbone.0.", "input_proj.0.", "transformer.encoder.layers.")),
     # IDEA-Research/detrex projects/dino: `neck.convs`, `label_enc`, encoder layers with `attentions`
     "detrex-dino": Format("a detrex DINO detector", keys=("label_enc.weight",),
                           prefixes=("neck.convs.", "transformer.encoder.layers.")),

@@ -220,7 +220,8 @@ class DinoTask:
         pos = 0
         for batch in loader:
             out = forward(images=batch["images"].to(device, input_dtype), masks=batch["masks"].to(device))
-            results = postprocess(out["pred_logits"], out["pred_boxes"], batch["orig_size"].to(device))
+            results = postprocess(out["pred_logits"], out["pred_boxes"], batch["orig_size"].to(device),
+                                  clip=self.cfg.model.clip_boxes)
             for image_id, r in zip(batch["image_id"].tolist(), results):
                 if pos < real:
                     dets += coco_detections(image_id, r["boxes"].cpu().numpy(), r["scores"].cpu().numpy(),

@@ -34,6 +34,9 @@ from vtrain.config import build_config
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import rundir
 from vtrain.errors import VtrainError
+from vtrain.models.dino.adapters.detrex import from_detrex
+from vtrain.models.dino.adapters.idea import from_idea
+from vtrain.models.dino.adapters.mmdet import from_mmdet
 from vtrain.models.formats import CONTAINERS, FORMATS, Converted, detect, unwrap
 from vtrain.models.metric_adapters.arcface import from_arcface_vit
 from vtrain.safeio import load_published
@@ -54,6 +57,9 @@ class Source:
 # `--from` names (each also a key of models/formats.FORMATS, which recognises its files)
 SOURCES: dict[str, Source] = {
     "arcface-vit": Source(from_arcface_vit, "vit-t-af", "metric"),
+    "idea-dino": Source(from_idea, "swin-l", "dino"),
+    "detrex-dino": Source(from_detrex, "swin-l", "dino"),
+    "mmdet-dino": Source(from_mmdet, "swin-l", "dino"),
 }
 
 STEP = 0  # the converted weights are checkpoint step_0 of the new run directory
