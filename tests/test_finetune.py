@@ -201,3 +201,24 @@ def test_metric_model_of_other_identity_count_keeps_backbone(faces, tmp_path):
     save_file(saved, str(tmp_path / "w.safetensors"))
     with pytest.raises(VtrainError, match=f"1 tensors of another shape \\({neck} "):
         base.load_pretrained(base.build_model())
+
+
+def test_an_evaluation_set_of_other_classes_is_one_error(sets, tmp_path):
+    """Labels are scored under the evaluation set's category ids, in the model's class order: a training run whose
+    evaluation set has other categories (e.g. the demo's, left as --data's default beside --train-ann of other
+    classes), and `vtrain eval` of a checkpoint on such a set, stop in one line before anything runs."""
+    images = _data_flags(sets["new_ann"])[3]
+    cases = [
+        ("train", ("train", *BASE, "--train-ann", str(sets["new_ann"]), "--train-images", images, "--output-dir",
+                   str(tmp_path / "run"), "--max-steps", "1"), "categories are not the training set's 5"),
+        ("eval", ("eval", "--checkpoint", str(sets["ckpt"]), "--val-ann", str(sets["new_ann"]), "--val-images",
+                  images), "categories are not the checkpoint's"),
+    ]
+    for name, argv, expected in cases:
+        proc = vtrain(*argv)
+        errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr and len(errors) == 1, (name, proc.stderr)
+        assert expected in errors[0] and "first difference at label 0" in errors[0], (name, errors)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # the same classes evaluate
+    ok(vtrain("eval", "--checkpoint", str(sets["ckpt"]), "--val-ann", str(sets["demo_ann"]), "--val-images", images))
