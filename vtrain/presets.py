@@ -21,7 +21,7 @@ class BackbonePreset:
     description: str = ""
     neck: str = "linear"
     """The embedding neck (models/metric.py): `linear` projects pooled features; `flatten` flattens every token
-    (arcface_torch's ViT feature layer, docs/face.md §5)."""
+    (arcface_torch's ViT feature layer, docs/face.md §6)."""
 
 
 def _vit(name: str, desc: str, **kw: Any) -> Callable[[], BackbonePreset]:
@@ -29,7 +29,7 @@ def _vit(name: str, desc: str, **kw: Any) -> Callable[[], BackbonePreset]:
 
 
 def _arcface_vit(dim: int, depth: int, drop_path: float, desc: str, heads: int = 8) -> Callable[[], BackbonePreset]:
-    """arcface_torch's face ViT (insightface recognition/arcface_torch/backbones/vit.py, docs/face.md §5): patch 9
+    """arcface_torch's face ViT (insightface recognition/arcface_torch/backbones/vit.py, docs/face.md §6): patch 9
     at 112 px (12x12 tokens), no class token, no qkv bias, ReLU6 MLP (ratio 4), LayerNorm eps 1e-5, 8 heads, no
     pooling: the neck flattens all tokens."""
     kw = dict(patch_size=9, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0, class_token=False,
