@@ -65,6 +65,21 @@ def test_embeddings_equal_arcface_torch(converted):
     assert (got - expected["embedding"]).abs().max().item() <= TOL
 
 
+def test_full_training_checkpoint_gives_the_same_weights(tmp_path, converted):
+    """arcface_torch's checkpoint_gpu_<rank>.pt (train_v2.py, save_all_states): the backbone under
+    `state_dict_backbone`, beside this rank's Partial FC shard, optimizer and scheduler states."""
+    sd = torch.load(FIXTURE / "model.pt", weights_only=True)
+    torch.save({"epoch": 3, "global_step": 120, "state_dict_backbone": sd,
+                "state_dict_softmax_fc": {"weight": torch.randn(10, 512)},
+                "state_optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3)}},
+                                    "param_groups": [{"lr": 0.1, "params": [0]}]},
+                "state_lr_scheduler": {"base_lrs": [0.1], "last_epoch": 3}}, tmp_path / "checkpoint_gpu_0.pt")
+    convert(tmp_path / "checkpoint_gpu_0.pt", tmp_path / "out", "arcface-vit")
+    got = load_file(str(tmp_path / "out" / "checkpoints" / "step_0" / "model.safetensors"))
+    want = load_file(str(converted / "checkpoints" / "step_0" / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("what,change", [("GELU instead of ReLU6", _act(nn.GELU)),
                                          ("ReLU instead of ReLU6", _act(nn.ReLU)),
                                          ("LayerNorm eps 1e-6", _ln_eps)])
