@@ -189,3 +189,16 @@ def test_eval_export_and_pretrained_accept_the_converted_run(faces, tmp_path, co
     for k, v in start.items():
         if k.startswith("backbone."):  # the neck's BatchNorm statistics move in a training step; weights do not
             assert torch.allclose(after[k], v, atol=1e-6), k
+
+
+@pytest.mark.slow
+def test_estimate_memory_traces_an_arcface_preset():
+    proc = ok(vtrain("estimate-memory", "--task", "metric", "--model", "vit-t-af", "--batch-size", "8",
+                     "--num-classes", "1000", "--no-compare-gc", "--json"))
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    # arcface_torch's vit_t parameters (keys.json, less its BatchNorm buffers and the unused mask_token) + the head
+    shapes = json.loads((FIXTURE / "keys.json").read_text())["vit-t-af"]
+    arcface = sum(torch.Size(s).numel() for k, s in shapes.items()
+                  if k != "mask_token" and not k.endswith(("running_mean", "running_var", "num_batches_tracked")))
+    assert report["setup"]["preset"] == "vit-t-af" and report["params_total"] == arcface + 1000 * 512
+    assert 0 < report["estimate_gib"]["activations"] < report["estimate_gib"]["total"]
