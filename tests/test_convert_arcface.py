@@ -175,11 +175,14 @@ def test_output_rules(tmp_path, converted):
 
 
 @pytest.mark.slow
-def test_eval_export_and_pretrained_accept_the_converted_run(faces, tmp_path, converted):
+def test_eval_export_predict_and_pretrained_accept_the_converted_run(faces, tmp_path, converted):
     proc = ok(vtrain("eval", "--checkpoint", str(converted), "--data", str(faces), "--json"))
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["genuine_pairs"] > 0 and got["weights"] == "model"
-    ok(vtrain("export", str(converted), str(tmp_path / "m.onnx")))
+    ok(vtrain("export", str(converted), str(tmp_path / "m.onnx")))  # checks onnxruntime against PyTorch
+    ok(vtrain("predict", "--checkpoint", str(converted), "--images", str(faces / "val"), "--out",
+              str(tmp_path / "emb.safetensors")))
+    assert load_file(str(tmp_path / "emb.safetensors"))["embeddings"].shape == (24, 512)  # 6 identities x 4
     weights = converted / "checkpoints" / "step_0" / "model.safetensors"
     run = tmp_path / "run"
     proc = ok(vtrain("train", "--data", str(faces), "--model", "debug-af", "--output-dir", str(run), "--max-steps",
