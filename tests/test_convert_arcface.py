@@ -151,6 +151,10 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path):
     proc = vtrain("train", "--model", "debug-af", "--pretrained", str(FIXTURE / "model.pt"), "--output-dir",
                   str(tmp_path / "run"), "--max-steps", "1")
     _one_error(proc, "--pretrained", "arcface_torch ViT", "vtrain convert", "--from arcface-vit")
+    # an IDEA DINO file (its `args` Namespace is admitted as data) given to a detection run
+    proc = vtrain("train", "--task", "dino", "--model", "debug", "--pretrained", str(tmp_path / "idea.pth"),
+                  "--output-dir", str(tmp_path / "run-dino"), "--max-steps", "1")
+    _one_error(proc, "--pretrained", "IDEA-Research DINO", "--from idea-dino")
 
 
 def test_output_rules(tmp_path, converted):
