@@ -95,7 +95,8 @@ def train(
     log_every: Annotated[Optional[int], typer.Option(help="Log every N steps")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Random seed")] = None,
     config: Annotated[Optional[Path], typer.Option(help="YAML config; flags override its values")] = None,
-    pretrained: Annotated[Optional[str], typer.Option(help="Local weights file (no downloads)")] = None,
+    pretrained: Annotated[Optional[str], typer.Option(
+        help="Local weights file or vtrain checkpoint (dir) to start from (no downloads)")] = None,
     image_size: Annotated[Optional[int], typer.Option(help="Input resolution")] = None,
     embedding_dim: Annotated[Optional[int], typer.Option(help="Embedding size (metric)")] = None,
     neck_norm: Annotated[Optional[str], typer.Option(help="Embedding neck norm: bn, ln or none")] = None,
@@ -182,6 +183,10 @@ def evaluate(
         help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
         "89478485)")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace --save-predictions when it exists (never a checkpoint's file)")] = False,
+    image_size: Annotated[Optional[int], typer.Option(
+        help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
+    max_size: Annotated[Optional[int], typer.Option(
+        help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
     box AP."""
@@ -196,11 +201,12 @@ def evaluate(
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
                  "val_ann": val_ann, "val_images": val_images, "max_image_pixels": max_image_pixels}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
-                                            save_predictions, weights, overwrite)
+                                            save_predictions, weights, overwrite, image_size, max_size)
     if classwise and "per_class" not in metrics:
         raise VtrainError("--classwise: only for detection checkpoints")
+    size = f", test size {metrics['test_size'][0]}/{metrics['test_size'][1]}" if "test_size" in metrics else ""
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint} ({metrics['weights']} "
-                                                        "weights)"))
+                                                        f"weights{size})"))
     if classwise:
         console.print(run_task.classwise_table(metrics))
     if save_predictions:
@@ -227,6 +233,10 @@ def predict(
         help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
         "89478485)")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace the files --out names when it exists (never a checkpoint's file)")] = False,
+    image_size: Annotated[Optional[int], typer.Option(
+        help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
+    max_size: Annotated[Optional[int], typer.Option(
+        help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
 ) -> None:
     """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
     from vtrain.engine.logging import console
@@ -238,10 +248,11 @@ def predict(
         raise VtrainError("--num-workers: must be >= 0")
     report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
                          batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels,
-                         overwrite=overwrite)
+                         overwrite=overwrite, image_size=image_size, max_size=max_size)
     if report.task == "dino":
-        console.print(f"{report.images} images on {report.device}: {report.detections} boxes with score >= "
-                      f"{report.score_threshold}; wrote the drawn images and predictions.json to {out}", soft_wrap=True)
+        console.print(f"{report.images} images on {report.device} at test size {report.test_size[0]}/"
+                      f"{report.test_size[1]}: {report.detections} boxes with score >= {report.score_threshold}; "
+                      f"wrote the drawn images and predictions.json to {out}", soft_wrap=True)
     else:
         console.print(f"{report.images} images on {report.device}: wrote {out} (embeddings; file names in its "
                       "metadata)", soft_wrap=True)
