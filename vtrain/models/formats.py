@@ -59,14 +59,16 @@ def is_state_dict(obj: Any) -> bool:
 
 
 def unwrap(obj: Any) -> tuple[dict[str, torch.Tensor] | None, str | None]:
-    """(the state dict, the container key it was under or None) of a loaded file; (None, None) when it holds none."""
-    if is_state_dict(obj):
-        return obj, None
-    if isinstance(obj, dict):
-        for key in CONTAINERS:
-            if is_state_dict(obj.get(key)):
-                return obj[key], key
-    return None, None
+    """(the state dict, the container keys it was under, dotted, or None) of a loaded file, descending through
+    nested containers (`{"model": {"module": ...}}`); (None, None) when it holds none."""
+    keys: list[str] = []
+    while not is_state_dict(obj):
+        key = next((k for k in CONTAINERS if isinstance(obj, dict) and isinstance(obj.get(k), dict)), None)
+        if key is None or len(keys) >= len(CONTAINERS):
+            return None, None
+        obj = obj[key]
+        keys.append(key)
+    return obj, ".".join(keys) or None
 
 
 def detect(names: Iterable[str]) -> str | None:

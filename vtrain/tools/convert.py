@@ -168,11 +168,13 @@ def not_converted(out: Path) -> str | None:
     """Why `out` is not exactly a directory `vtrain convert` wrote (None when it is): its marker records the
     conversion, and it holds nothing but the marker, config.yaml and the verified checkpoint step_0."""
     try:
+        if (out / rundir.MARKER).stat().st_size > 2**20:  # vtrain's marker is a few hundred bytes
+            return f"{rundir.MARKER} is not vtrain's"
         marker = json.loads((out / rundir.MARKER).read_text())
         if not (isinstance(marker, dict) and marker.get("format") == rundir.MARKER_FORMAT
                 and isinstance(marker.get("converted_from"), dict)):
             return f"its {rundir.MARKER} records no conversion"
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError):  # absent, unreadable, not JSON
         return f"no vtrain run marker {rundir.MARKER}"
     step = ckpt.final_path(out, STEP)
     problem = ckpt.verify(step) if step.is_dir() and not step.is_symlink() else f"no {step.relative_to(out)}"
@@ -202,7 +204,12 @@ def write(out: Path, replace: bool, cfg, tensors: dict[str, torch.Tensor], categ
                 os.rename(out, old)
             elif out.is_dir():  # an empty directory the user made for it
                 out.rmdir()
-            os.rename(stage, out)
+            try:
+                os.rename(stage, out)
+            except BaseException:
+                if replace and not os.path.lexists(out):  # the earlier conversion back in place
+                    os.rename(old, out)
+                raise
     finally:
         if stage.exists():
             guarded.rmtree(out.parent, stage)
