@@ -222,3 +222,33 @@ def test_an_evaluation_set_of_other_classes_is_one_error(sets, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
     # the same classes evaluate
     ok(vtrain("eval", "--checkpoint", str(sets["ckpt"]), "--val-ann", str(sets["demo_ann"]), "--val-images", images))
+
+
+def test_finetuning_takes_the_checkpoints_model_options(sets, tmp_path):
+    """A checkpoint built with other model options (as `vtrain convert` records a source's: neck bias, sine
+    positions) is fine-tuned with them: the run leaves them unset, takes the checkpoint's (one log line, recorded in
+    its config.yaml) and its weights fit; a run that sets one to another value is one error line."""
+    import yaml
+
+    options = {"neck_bias": True, "pos_temperature": 10000.0, "pos_offset": -0.5}
+    cfg = tmp_path / "options.yaml"
+    cfg.write_text(yaml.safe_dump({"model": options}))
+    src = tmp_path / "src"
+    ok(vtrain("train", *BASE, *_data_flags(sets["demo_ann"]), "--config", str(cfg), "--output-dir", str(src),
+              "--max-steps", "1", "--save-every", "1"))
+    run = tmp_path / "ft"
+    proc = ok(vtrain("train", *BASE, *_data_flags(sets["new_ann"]), "--output-dir", str(run), "--max-steps", "1",
+                     "--save-every", "1", "--pretrained", str(src)))
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if "model options of" in x]
+    assert len(lines) == 1 and "neck_bias=True" in lines[0] and "pos_temperature=10000.0" in lines[0], lines
+    saved = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert {k: saved[k] for k in options} == options
+    assert "neck.lateral.0.0.bias" in load_file(str(run / "checkpoints" / "step_1" / "model.safetensors"))
+
+    clash = tmp_path / "clash.yaml"
+    clash.write_text(yaml.safe_dump({"model": {"pos_temperature": 30.0}}))
+    proc = vtrain("train", *BASE, *_data_flags(sets["new_ann"]), "--config", str(clash), "--output-dir",
+                  str(tmp_path / "bad"), "--max-steps", "1", "--pretrained", str(src))
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr
+    assert "model.pos_temperature: this run 30.0, the checkpoint 10000.0" in errors[0], errors
