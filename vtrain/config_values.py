@@ -93,6 +93,8 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
             return None
         (hint,) = [a for a in args if a is not type(None)]
         return coerce(value, hint, where)
+    if origin is typing.Literal:  # a choice: its value is checked by the section, whose message lists them
+        hint = type(args[0])
     if hint is bool:
         if isinstance(value, bool):
             return value
