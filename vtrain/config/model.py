@@ -55,8 +55,10 @@ class ModelConfig(Section):
     """Activation checkpointing (non-reentrant), a comma list of PART or PART:SEL with PART backbone, encoder or
     decoder; SEL N, N-M (encoder/decoder layers), stageN[-M] (Swin/ResNet stages), blockN[-M] (ViT blocks); the
     prefix sac: for selective checkpointing (keeps matmul outputs), e.g. backbone:stage0-1,encoder:0-3,sac:decoder.
-    `auto`: the planner chooses per unit what fits --memory-budget with the fewest recomputed FLOPs
-    (docs/recompute.md). In a --config file a list of items; default none."""
+    `auto`: the planner chooses per unit (none, full, sac:, DINO's FFN hidden layer remade) what fits
+    --memory-budget with the fewest recomputed FLOPs, traced on rank 0 before the first step and applied on every
+    rank. The active units (and the plan) are recorded in run_info.json (docs/recompute.md). In a --config file a
+    list of items; default none."""
     ffn_recompute: bool = field(default=True, metadata=NO_FLAG)
     """DINO: the encoder FFNs make their 2048-wide ReLU output again in backward instead of keeping it: 4.1 GiB less
     for Swin-L at 800x1333, batch 2, for one more fc1 matmul per layer (+18% forward FLOPs); docs/recompute.md.
@@ -64,7 +66,8 @@ class ModelConfig(Section):
     memory_budget: float | None = None
     """With `--grad-ckpt auto`: GiB per GPU the planner fits (estimate-memory's total: model states, activations at
     the peak, buffers, 0.5 GiB for the CUDA context). Default on a GPU: its memory minus max(2.5 GiB, 10%) for
-    allocator fragmentation (docs/memory_estimate.md); on a CPU it must be given."""
+    allocator fragmentation (docs/memory_estimate.md); on a CPU it must be given. Nothing fitting is one error line
+    naming the smallest peak."""
     ffn_chunk: int = field(default=16384, metadata=NO_FLAG)
     """DINO, with ffn_recompute: the encoder FFNs run forward and backward over this many tokens at a time, so their
     2048-wide hidden layer and its gradient never exist whole (1.0 GiB less at the peak of Swin-L 800x1333 batch 2

@@ -39,7 +39,8 @@ class OptimConfig(Section):
     """Max global gradient norm; 0 disables clipping."""
     layer_decay: float | None = None
     """Layer-wise LR decay R for timm backbones (ViT, Swin, ResNet): a backbone parameter in timm's layer group i of L
-    trains at lr * backbone_lr_mult * R^(L - i) (last block R, stem R^L); the head keeps lr. Unset: no decay."""
+    trains at lr * backbone_lr_mult * R^(L - i) (last block R, stem R^L); head, neck and DINO transformer keep lr.
+    The log states the stem, last-block and head LRs. Unset: no decay."""
 
     def __post_init__(self) -> None:
         check = self._check

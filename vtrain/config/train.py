@@ -39,7 +39,8 @@ class TrainConfig(Section):
     save_every: int = 500
     """Checkpoint every N optimizer steps."""
     keep_last: int = 3
-    """Keep the newest K checkpoints; pruning deletes only real folders of this run."""
+    """Keep the newest K checkpoints; pruning deletes only real folders of this run (a symlinked checkpoint is left
+    alone and named)."""
     eval_every: int = 0
     """Evaluate every N optimizer steps (0: only at the end)."""
     log_every: int = 10
