@@ -404,7 +404,7 @@ def _run() -> int:
     """The command, and its exit code: every user error is one `error: ...` line and 2."""
     # Every user error is one `error: ...` line and exit 2: Click's usage errors (an unknown option, `--seed abc`)
     # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
-    # errors reach us instead of being drawn as a multi-line box. Typer >= 0.26 vendors Click: its errors are
+    # errors reach us instead of being drawn as a multi-line box. Typer vendors Click; from 0.28 its errors are
     # typer.TyperException (public), with Click's `exit_code`, `format_message()` and, for a usage error, `ctx`.
     force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
     try:
@@ -412,7 +412,7 @@ def _run() -> int:
     except typer.TyperException as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # `vtrain` alone: Typer's rich help is already printed
             if e.format_message().strip():
-                print(e.format_message(), file=sys.stderr)
+                e.show()  # type: ignore[attr-defined]
             return e.exit_code
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""

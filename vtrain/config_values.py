@@ -1,5 +1,5 @@
 """Config values as they arrive from a YAML file or a flag: a YAML mapping read safely, and a value turned into the
-type a config field declares, or a ConfigError naming where it came from. Below config.py, which knows the fields."""
+type a config field declares, or a ConfigError naming where it came from. Below the config package, which knows the fields."""
 
 from __future__ import annotations
 
