@@ -72,12 +72,9 @@ def train(**flags: Any) -> None:
     config = flags.pop("config")
     file_values = read_yaml(config) if config is not None else {}
     task = flags.pop("task")
-    overrides: dict[str, dict[str, Any]] = {section: {} for section in FLAG_SECTIONS}
-    for section, names in FLAG_SECTIONS.items():  # unset flags (None) do not override the YAML file
-        for name in names:
-            value = flags[name]
-            if value is not None:
-                overrides[section][name] = value.value if isinstance(value, Enum) else value
+    # unset flags (None) leave the file's values; a Click choice arrives as an Enum member
+    overrides = {section: {n: getattr(flags[n], "value", flags[n]) for n in names if flags[n] is not None}
+                 for section, names in FLAG_SECTIONS.items()}
     cfg = build_config(task.value if task else None, file_values, overrides)
     from vtrain.engine.trainer import Trainer
 
