@@ -119,7 +119,8 @@ def test_building_a_config_opens_no_file(no_file_access):
 
 
 @pytest.mark.parametrize("section,key,value,flag,message", [
-    ("model", "pretrained", "/gone/w.safetensors", "--pretrained (model.pretrained)", "file not found"),
+    ("model", "pretrained", "/gone/w.safetensors", "--pretrained (model.pretrained)",
+     "weights file or checkpoint directory not found"),
     ("data", "path", "/gone/faces", "--data (data.path)", "not a directory (or a verification .bin pack)"),
     ("data", "pairs_file", "/gone/pairs.txt", "--pairs (data.pairs_file)", "file not found"),
     ("parallel", "ds_config", "/gone/ds.json", "--ds-config (parallel.ds_config)", "file not found"),

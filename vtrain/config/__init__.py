@@ -5,7 +5,7 @@
 
 from vtrain.config.data import DEFAULT_MAX_IMAGE_PIXELS, DEMO_DATA, MAX_IMAGE_PIXELS_CEILING, DataConfig
 from vtrain.config.fields import Option
-from vtrain.config.model import NECK_NORMS, ModelConfig
+from vtrain.config.model import MIN_DETECTION_SIZE, NECK_NORMS, ModelConfig
 from vtrain.config.optim import OptimConfig
 from vtrain.config.parallel import PRECISIONS, ParallelConfig
 from vtrain.config.run import (_SECTION_CLASSES, CONFIG_ONLY, FLAG_SECTIONS, TASK_DEFAULTS, TASKS, RunConfig,
@@ -16,6 +16,7 @@ from vtrain.config_values import read_yaml
 from vtrain.errors import ConfigError
 
 __all__ = ["CONFIG_ONLY", "DEFAULT_MAX_IMAGE_PIXELS", "DEMO_DATA", "FLAG_SECTIONS", "MAX_IMAGE_PIXELS_CEILING",
-           "NECK_NORMS", "PRECISIONS", "TASKS", "TASK_DEFAULTS", "_SECTION_CLASSES", "ConfigError", "DataConfig",
-           "ModelConfig", "OptimConfig", "Option", "ParallelConfig", "RunConfig", "TrainConfig", "build_config",
-           "check_neck_batch", "check_paths", "flag_of", "load_run_config", "options", "read_yaml", "resolve"]
+           "MIN_DETECTION_SIZE", "NECK_NORMS", "PRECISIONS", "TASKS", "TASK_DEFAULTS", "_SECTION_CLASSES",
+           "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "Option", "ParallelConfig", "RunConfig",
+           "TrainConfig", "build_config", "check_neck_batch", "check_paths", "flag_of", "load_run_config", "options",
+           "read_yaml", "resolve"]

@@ -28,7 +28,10 @@ class ModelConfig(Section):
     `debug`, `debug-resnet`, `swin-l` (5-scale), `swin-l-4scale`, `swin-b`, `swin-t`, `resnet50`."""
     pretrained: str | None = None
     """Local weights file (`.safetensors` or `.pt`; nothing is downloaded): a timm backbone (position embeddings
-    resampled by timm's own filter) or a vtrain model state dict."""
+    resampled by timm's own filter) or a vtrain model state dict; or a vtrain checkpoint directory (or a run's
+    newest) to fine-tune from: a model of other classes keeps all but its class rows (detection: rows of
+    same-named classes kept, docs/detection.md); any other tensor that does not fit is an error, unless
+    --allow-partial-pretrained."""
     image_size: int = 112
     """Metric: square input size (face crops are 112). DINO: test short side (800 in the recipe); the training
     scales follow it (480-800 at 800) and the long side is capped at image_size * 1333 / 800."""

@@ -21,8 +21,8 @@ from vtrain.files import cache_root, directory_problem
 
 
 def check_model(m: ModelConfig) -> None:
-    if m.pretrained is not None and not Path(m.pretrained).is_file():
-        fail(ModelConfig, "pretrained", f"file not found: {m.pretrained}")
+    if m.pretrained is not None and not Path(m.pretrained).exists():  # a weights file or a checkpoint directory
+        fail(ModelConfig, "pretrained", f"weights file or checkpoint directory not found: {m.pretrained}")
 
 
 def check_data(d: DataConfig) -> None:
