@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import inspect
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 
 from vtrain import recompute
-from vtrain.config import FLAG_SECTIONS, build_config, read_yaml
+from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, Option, build_config, options, read_yaml
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.errors import VtrainError
 from vtrain.guarded import ENVIRONMENT_ERRNOS
@@ -31,130 +32,47 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Train large vision models on small GPUs (Accelerate + DeepSpeed ZeRO / FSDP2).")
 
 
-MEMORY_BUDGET_HELP = ("With --grad-ckpt auto: GiB per GPU to fit; the planner recomputes the fewest FLOPs that fit "
-                      "it (default on a GPU: its memory less max(2.5 GiB, 10%); required on a CPU)")
+def _choice(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A choice as Typer takes one (an Enum of strings): Click refuses any other value in its own line."""
+    return Enum(name, {v: v for v in values}, type=str)  # type: ignore[return-value]
 
 
-class Task(str, Enum):
-    metric = "metric"
-    dino = "dino"
+Task, Precision = _choice("Task", TASKS), _choice("Precision", PRECISIONS)
 
 
-class Precision(str, Enum):
-    auto = "auto"
-    no = "no"
-    bf16 = "bf16"
-    fp16 = "fp16"
+def _train_parameter(o: Option) -> inspect.Parameter:
+    """One `vtrain train` option from its config field (config/fields.py): the flag, the field's docstring as help,
+    a Click choice or the listed values, and None by default (an unset flag leaves the --config file's value)."""
+    kind: Any = _choice(o.name.title(), o.choices) if o.cli_choice and o.choices else o.value_type
+    metavar = f"<{'|'.join(o.choices)}>" if o.choices and not o.cli_choice else None
+    option = typer.Option(o.flag, help=o.help.replace("[", r"\["), metavar=metavar, show_default=False)
+    return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                             annotation=Annotated[Optional[kind], option])
 
 
-def _overrides(**flags: Any) -> dict[str, dict[str, Any]]:
-    """Map flat CLI flags to config sections (FLAG_SECTIONS: the config fields that have a flag); unset flags
-    (None) do not override the YAML file."""
-    out: dict[str, dict[str, Any]] = {s: {} for s in FLAG_SECTIONS}
-    for section, names in FLAG_SECTIONS.items():
-        for n in names:
-            v = flags.get(n)
-            if isinstance(v, Enum):
-                v = v.value
-            if v is not None:
-                out[section][n] = v
-    return out
+def _train_command(fn: Any) -> Any:
+    """`fn(config, task, **section_flags)` with one parameter per config field that has a flag, plus --config."""
+    config = inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        Optional[Path], typer.Option(help="YAML config, keys as in docs/options.md (a run's config.yaml too); flags "
+                                     "override its values")])
+    params = [_train_parameter(o) for o in options() if o.flag] + [config]
+    fn.__signature__ = inspect.Signature(params, return_annotation=None)
+    return fn
 
 
 @app.command()
-def train(
-    task: Annotated[Optional[Task], typer.Option(help="metric (face recognition) or dino (detection)")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", help="Backbone preset (see `vtrain presets`)")] = None,
-    data: Annotated[Optional[str], typer.Option(
-        help="Data directory (RecordIO train.rec/.idx or identity folders) or `demo` (built-in data)")] = None,
-    output_dir: Annotated[Optional[str], typer.Option(help="Run directory (config, logs, checkpoints)")] = None,
-    epochs: Annotated[Optional[int], typer.Option(help="Epochs (ignored when --max-steps is set)")] = None,
-    max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Per-device micro-batch size")] = None,
-    grad_accum: Annotated[Optional[int], typer.Option(help="Gradient accumulation steps")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate")] = None,
-    weight_decay: Annotated[Optional[float], typer.Option(help="AdamW weight decay")] = None,
-    warmup_steps: Annotated[Optional[int], typer.Option(help="Linear warm-up steps")] = None,
-    schedule: Annotated[Optional[str], typer.Option(help="cosine, step or constant")] = None,
-    backbone_lr_mult: Annotated[Optional[float], typer.Option(help="Backbone LR multiplier")] = None,
-    clip_grad: Annotated[Optional[float], typer.Option(help="Max gradient norm (0 disables)")] = None,
-    layer_decay: Annotated[Optional[float], typer.Option(
-        help="Layer-wise LR decay R in (0, 1] for timm ViT/Swin/ResNet backbones: backbone LR x "
-        "R^(layers - timm layer id); the head keeps --lr")] = None,
-    mixed_precision: Annotated[Optional[Precision], typer.Option(help="auto, no, bf16 or fp16")] = None,
-    grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
-    memory_budget: Annotated[Optional[float], typer.Option(help=MEMORY_BUDGET_HELP)] = None,
-    ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (ZeRO stage, offload)")] = None,
-    fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="Shard with FSDP2")] = None,
-    resume: Annotated[Optional[str], typer.Option(help="auto or a checkpoint directory")] = None,
-    resume_weights_only: Annotated[Optional[str], typer.Option(
-        help="Start fresh (optimizer, schedule, step 0) from a consolidated weights file")] = None,
-    save_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps")] = None,
-    keep_last: Annotated[Optional[int], typer.Option(help="Keep the last K checkpoints")] = None,
-    eval_every: Annotated[Optional[int], typer.Option(help="Evaluate every N steps (0: at the end)")] = None,
-    log_every: Annotated[Optional[int], typer.Option(help="Log every N steps")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="YAML config; flags override its values")] = None,
-    pretrained: Annotated[Optional[str], typer.Option(
-        help="Local weights file or vtrain checkpoint (dir) to start from (no downloads)")] = None,
-    image_size: Annotated[Optional[int], typer.Option(help="Input resolution")] = None,
-    embedding_dim: Annotated[Optional[int], typer.Option(help="Embedding size (metric)")] = None,
-    neck_norm: Annotated[Optional[str], typer.Option(help="Embedding neck norm: bn, ln or none")] = None,
-    head: Annotated[Optional[str], typer.Option(help="Margin head: arcface or cosface")] = None,
-    margin: Annotated[Optional[float], typer.Option(help="Margin m")] = None,
-    scale: Annotated[Optional[float], typer.Option(help="Logit scale s")] = None,
-    head_parallel: Annotated[Optional[str], typer.Option(
-        help="Metric head: none (one replicated head inside the model) or sharded (class ranges split over the "
-        "processes, outside DDP/FSDP/ZeRO; Partial FC)")] = None,
-    sample_rate: Annotated[Optional[float], typer.Option(
-        help="Share of negative classes per rank and step with --head-parallel sharded (1.0: full softmax)")] = None,
-    drop_path: Annotated[Optional[float], typer.Option(help="Stochastic depth rate")] = None,
-    num_workers: Annotated[Optional[int], typer.Option(help="Data loader workers per process")] = None,
-    val_data: Annotated[Optional[str], typer.Option("--val-data", help="Held-out identity tree")] = None,
-    pairs: Annotated[Optional[str], typer.Option("--pairs", help="Verification pairs file")] = None,
-    val_targets: Annotated[Optional[str], typer.Option(
-        help="Metric: verification .bin packs, e.g. lfw,agedb_30 (<data>/NAME.bin) or paths; default: *.bin beside "
-             "train.rec")] = None,
-    max_nonfinite: Annotated[Optional[int], typer.Option(help="Stop after N consecutive non-finite steps")] = None,
-    train_ann: Annotated[Optional[str], typer.Option(help="Detection: COCO train annotation JSON")] = None,
-    train_images: Annotated[Optional[str], typer.Option(help="Detection: train image folder")] = None,
-    val_ann: Annotated[Optional[str], typer.Option(help="Detection: COCO val annotation JSON")] = None,
-    val_images: Annotated[Optional[str], typer.Option(help="Detection: val image folder")] = None,
-    max_size: Annotated[Optional[int], typer.Option(help="Detection: longest side after resize")] = None,
-    num_queries: Annotated[Optional[int], typer.Option(help="DINO matching queries (recipe: 900)")] = None,
-    dn_queries: Annotated[Optional[int], typer.Option(help="DINO denoising queries (recipe: 100; 0 disables)")] = None,
-    overwrite_output_dir: Annotated[Optional[bool], typer.Option(
-        "--overwrite-output-dir", help="Start over in an --output-dir holding an earlier run (deletes its "
-        "checkpoints and logs)")] = None,
-    skip_bad_images: Annotated[Optional[bool], typer.Option(
-        "--skip-bad-images", help="Skip unreadable image files (named in the log per epoch) instead of stopping")] = None,
-    max_image_pixels: Annotated[Optional[int], typer.Option(
-        help="Refuse (or with --skip-bad-images skip) images above this many pixels, read from their header before "
-        "decoding (default: PIL's 89478485)")] = None,
-    pretrained_min_match: Annotated[Optional[float], typer.Option(
-        help="Share of the target's tensors a --pretrained file must fill (default 0.9)")] = None,
-    allow_partial_pretrained: Annotated[Optional[bool], typer.Option(
-        "--allow-partial-pretrained", help="Load whatever tensors of --pretrained match, however few")] = None,
-    ema_decay: Annotated[Optional[float], typer.Option(
-        help="EMA of the weights with this decay, e.g. 0.9998 (0: off); eval and consolidate use it")] = None,
-    ema_warmup: Annotated[Optional[int], typer.Option(
-        help="EMA decay warm-up TAU steps: decay x (1 - exp(-step/TAU)) (detrex/YOLOX: 2000; 0: off)")] = None,
-    keep_best: Annotated[Optional[str], typer.Option(
-        help="Keep the best checkpoint by this eval metric (AP, tar@far=1e-3, acc; METRIC:min if lower is "
-        "better) outside --keep-last; recorded in checkpoints/best.json")] = None,
-    report_to: Annotated[Optional[str], typer.Option(
-        help="none, tensorboard (<output-dir>/tensorboard) or wandb: every logged number as a curve")] = None,
-    compile: Annotated[Optional[bool], typer.Option(
-        "--compile", help="Regional torch.compile: each backbone block and DINO encoder/decoder layer compiled on its "
-        "own, the rest eager (docs/compile.md)")] = None,
-) -> None:
+@_train_command
+def train(**flags: Any) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
     # first: a SIGTERM/SIGINT that arrives while the model is being built must also lead to a checkpoint
     interrupt = GracefulInterrupt().install()
+    config = flags.pop("config")
     file_values = read_yaml(config) if config is not None else {}
-    flags = dict(locals())
-    flags.update(preset=model, path=data, val_path=val_data, pairs_file=pairs)
-    cfg = build_config(task.value if task else None, file_values, _overrides(**flags))
+    task = flags.pop("task")
+    # unset flags (None) leave the file's values; a Click choice arrives as an Enum member
+    overrides = {section: {n: getattr(flags[n], "value", flags[n]) for n in names if flags[n] is not None}
+                 for section, names in FLAG_SECTIONS.items()}
+    cfg = build_config(task.value if task else None, file_values, overrides)
     from vtrain.engine.trainer import Trainer
 
     Trainer(cfg, interrupt).fit()
@@ -489,17 +407,16 @@ def _run() -> int:
     """The command, and its exit code: every user error is one `error: ...` line and 2."""
     # Every user error is one `error: ...` line and exit 2: Click's usage errors (an unknown option, `--seed abc`)
     # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
-    # errors reach us instead of being drawn as a multi-line box (Typer >= 0.26 vendors Click as typer._click).
-    from typer._click.exceptions import ClickException, NoArgsIsHelpError
-
+    # errors reach us instead of being drawn as a multi-line box. Typer vendors Click; from 0.28 its errors are
+    # typer.TyperException (public), with Click's `exit_code`, `format_message()` and, for a usage error, `ctx`.
     force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
     try:
         code = app(standalone_mode=False)  # the exit code of --help and the like, else the command's None
-    except NoArgsIsHelpError as e:  # `vtrain` alone: the help text (Typer's rich help is already printed)
-        if e.format_message().strip():
-            e.show()
-        return e.exit_code
-    except ClickException as e:
+    except typer.TyperException as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `vtrain` alone: Typer's rich help is already printed
+            if e.format_message().strip():
+                e.show()  # type: ignore[attr-defined]
+            return e.exit_code
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         print(f"error: {' '.join(e.format_message().split())}{hint}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """Config values as they arrive from a YAML file or a flag: a YAML mapping read safely, and a value turned into the
-type a config field declares, or a ConfigError naming where it came from. Below config.py, which knows the fields."""
+type a config field declares, or a ConfigError naming where it came from. Below the config package, which knows the fields."""
 
 from __future__ import annotations
 
@@ -93,6 +93,8 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
             return None
         (hint,) = [a for a in args if a is not type(None)]
         return coerce(value, hint, where)
+    if origin is typing.Literal:  # a choice: its value is checked by the section, whose message lists them
+        hint = type(args[0])
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -121,19 +121,6 @@ def append_line(path: Path, line: str) -> None:
         f.write(line + "\n")
 
 
-def verification_table(metrics: dict[str, Any], title: str = "verification") -> Table:
-    t = Table(title=title)
-    for col in ("metric", "value", "threshold", "note"):
-        t.add_column(col)
-    for r in metrics.get("rows", []):
-        note = "" if r["resolvable"] else f"unresolvable: < {1 / r['far_target']:.0f} impostor pairs"
-        t.add_row(f"TAR@FAR={r['far_target']:g}", f"{r['tar']:.4f}", f"{r['threshold']:.4f}",
-                  note or f"FAR achieved {r['far_achieved']:.2e}")
-    t.add_row("best balanced accuracy", f"{metrics['balanced_accuracy']:.4f}", f"{metrics['accuracy_threshold']:.4f}", "")
-    t.add_row("pairs", f"{metrics['genuine_pairs']} genuine / {metrics['impostor_pairs']} impostor", "", "")
-    return t
-
-
 class StatsWindow:
     """Sums of the per-step stats since the last log line. Device tensors are summed on the device (NaN values
     left out and counted there too, as a host-side `isnan` test would need a sync per step); host floats here."""

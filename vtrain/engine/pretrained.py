@@ -5,12 +5,18 @@ classes keeps the rows of the classes both lists name (models/dino/class_rows.py
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vtrain.config import ModelConfig
+from vtrain.config_values import coerce, read_yaml
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine.ema import weights_file
+from vtrain.errors import VtrainError
+from vtrain.models.dino.detector import DinoOptions
 
 
 @dataclass
@@ -44,14 +50,6 @@ def inherit_model_options(cfg: Any) -> str | None:
     checkpoint's value; one the run sets to another value than the checkpoint's is one error line. Returns the log
     line naming the options taken (None when there are none). Called before the run's config.yaml is written, so
     the run records the model it builds."""
-    import dataclasses
-    import typing
-
-    from vtrain.config import ModelConfig
-    from vtrain.config_values import coerce, read_yaml
-    from vtrain.errors import VtrainError
-    from vtrain.models.dino.detector import DinoOptions
-
     m = cfg.model
     if cfg.task != "dino" or not m.pretrained or not Path(m.pretrained).is_dir():
         return None

@@ -3,8 +3,7 @@ them, else model.safetensors), for `vtrain eval` and `vtrain predict`, and `vtra
 
 from __future__ import annotations
 
-import typing
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +12,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 from vtrain import guarded
-from vtrain.config import DataConfig, RunConfig, load_run_config, replace
-from vtrain.config_values import coerce, read_yaml
+from vtrain.config import DataConfig, RunConfig, load_run_config
+from vtrain.config.paths import check_data
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import content
 from vtrain.engine.ema import weights_file
-from vtrain.errors import VtrainError, shown
+from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict
 from vtrain.tasks import build_model, build_task
 from vtrain.tasks.dino import chosen_test_sizes
@@ -29,8 +28,9 @@ class LoadedModel:
     path: Path
     """The checkpoint directory (checkpoints/step_<N>)."""
     cfg: RunConfig
-    """The run's config; its `data` section is the default, the saved one is `saved_data`."""
+    """The run's config, as its config.yaml holds it."""
     saved_data: dict[str, Any]
+    """Its `data` section's values that are set: what eval and predict default to."""
     model: nn.Module
     """In eval mode, fp32, on `device`."""
     device: torch.device
@@ -38,17 +38,6 @@ class LoadedModel:
     """Detection: COCO categories (id, name) in label order, when the checkpoint has them."""
     weights: str = "model"
     """Which weights were loaded: ema (ema.safetensors) or model."""
-
-
-def saved_data(config: Path) -> dict[str, Any]:
-    """The `data` section of a checkpoint's config.yaml, read like the rest of it (config_values.read_yaml: bounded
-    in depth and aliases) and each key it knows coerced to its DataConfig type: eval and predict default to it."""
-    data = read_yaml(config, "checkpoint config").get("data") or {}
-    if not isinstance(data, dict):
-        raise VtrainError(f"checkpoint config: {config}: section 'data' must be a mapping, got {shown(data)}")
-    hints = typing.get_type_hints(DataConfig)
-    return {k: coerce(v, hints[k], f"checkpoint config {config}: data.{k}") for k, v in data.items()
-            if k in hints and v is not None}
 
 
 def checkpoint_task(checkpoint: str | Path) -> str:
@@ -78,7 +67,7 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     cfg = load_run_config(path / ckpt.CONFIG)
     if task_name is not None and task_name != cfg.task:
         raise VtrainError(f"{task_flag or f'--task {task_name}'}: {path} is a {cfg.task} checkpoint")
-    saved = saved_data(path / ckpt.CONFIG)
+    saved = {k: v for k, v in asdict(cfg.data).items() if v is not None}
     # the model config.yaml records, with the class count the checkpoint records (content.py), and the weights
     # checked against it (names, shapes, dtypes, finite values) before they are loaded
     classes = content.recorded_classes(path, cfg, flag)
@@ -130,7 +119,9 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     own = ("max_image_pixels", "max_impostor_pairs", "max_genuine_pairs")
     merged = {**{k: saved[k] for k in keep if saved.get(k) is not None}, "max_size": saved.get("max_size"),
               **{k: saved[k] for k in own if saved.get(k)}, **given}
-    cfg = replace(cfg, data=DataConfig(**merged),
+    data = DataConfig(**merged)
+    check_data(data)  # the files it names, before they are opened (one error line each)
+    cfg = replace(cfg, data=data,
                   train=replace(cfg.train, batch_size=cfg.train.batch_size if batch_size is None else batch_size))
     task = build_task(cfg)
     if cfg.task == "dino":
