@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -140,7 +141,7 @@ def _unique(ids: np.ndarray) -> None:
         raise _Refused
 
 
-def _fast(buf: bytes) -> Records:
+def _fast(buf: Any) -> Records:
     try:
         top = msgspec.json.decode(buf, type=_File)
         images = [im for part in _chunks(top.images, msgspec.json.Decoder(list[_Image])) for im in part]
@@ -165,8 +166,12 @@ def _fast(buf: bytes) -> Records:
     if not (all(n and "\0" not in n for n in names) and ((width >= 1) & (width <= MAX_SIDE)).all()
             and ((height >= 1) & (height <= MAX_SIDE)).all()):
         raise _Refused
-    ann = {k: np.concatenate(v) if v else np.zeros((0, 4) if k == "bbox" else 0, bool if k == "crowd" else
-                                                    np.float64 if k == "bbox" else np.int64) for k, v in cols.items()}
+    empty = {"bbox": np.zeros((0, 4)), "crowd": np.zeros(0, bool)}
+    ann = {}
+    for k in list(cols):  # one column at a time, its chunks freed as it is joined
+        parts = cols.pop(k)
+        ann[k] = np.concatenate(parts) if parts else empty.get(k, np.zeros(0, np.int64))
+        del parts
     if not np.isfinite(ann["bbox"]).all():  # (msgspec refuses NaN and out-of-range numbers: never here)
         raise _Refused
     _unique(image_id)
@@ -200,20 +205,19 @@ def parse_coco(path: Path, where: str) -> Records:
     """The checked Records of the COCO file at `path` (`where` names it in errors)."""
     from vtrain.data.coco import coco_from_dict  # (coco.py imports this module)
 
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise VtrainError(f"{where} is not valid JSON ({e})") from None
     with gc_paused():
         try:
-            return _fast(raw)
-        except _Refused:
+            # mapped, not read: the text is page cache the kernel can drop, not this process's memory; the map
+            # is closed when the last view of it (msgspec.Raw) is gone
+            with open(path, "rb") as f:
+                text = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return _fast(text)
+        except (_Refused, OSError, ValueError):  # (an empty file cannot be mapped) the reference path reads it
             pass
         try:
-            data = loads(raw)  # nesting beyond json's recursion is "not valid JSON" (records.loads)
-        except ValueError as e:
+            data = loads(path.read_bytes())  # nesting beyond json's recursion is "not valid JSON" (records.loads)
+        except (OSError, ValueError) as e:
             raise VtrainError(f"{where} is not valid JSON ({e})") from None
-        del raw
         coco_from_dict(data, where)  # every check and its one-line error (coco_check.py)
         return records_of(data)
 
