@@ -27,6 +27,8 @@ import gc
 import mmap
 import re
 from collections.abc import Iterator
+from itertools import chain
+from operator import attrgetter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,11 +130,9 @@ def _chunks(raw: msgspec.Raw, decoder: msgspec.json.Decoder, tries: int = 4) -> 
         pos = cut.end() - 1
 
 
-def _int64(values: list[int]) -> np.ndarray:
-    try:
-        return np.array(values, np.int64)
-    except OverflowError:  # beyond int64: the reference path names it
-        raise _Refused from None
+def _column(items: list, field: str, dtype: type = np.int64) -> np.ndarray:
+    """One field of decoded records as an array (an integer beyond int64 raises OverflowError: refused)."""
+    return np.fromiter(map(attrgetter(field), items), dtype, count=len(items))
 
 
 def _unique(ids: np.ndarray) -> None:
@@ -147,21 +147,19 @@ def _fast(buf: Any) -> Records:
         images = [im for part in _chunks(top.images, msgspec.json.Decoder(list[_Image])) for im in part]
         cols: dict[str, list[np.ndarray]] = {k: [] for k in ("id", "image", "category", "bbox", "crowd")}
         for part in _chunks(top.annotations, msgspec.json.Decoder(list[_Annotation])):
-            crowd = np.array([a.iscrowd for a in part], np.int64).reshape(-1)
-            area = np.array([a.area for a in part], np.float64).reshape(-1)
-            if not (((crowd == 0) | (crowd == 1)).all() and (area >= 0).all()):
+            crowd = _column(part, "iscrowd")
+            if not (((crowd == 0) | (crowd == 1)).all() and (_column(part, "area", np.float64) >= 0).all()):
                 raise _Refused
-            cols["id"].append(_int64([a.id for a in part]))
-            cols["image"].append(_int64([a.image_id for a in part]))
-            cols["category"].append(_int64([a.category_id for a in part]))
-            cols["bbox"].append(np.array([a.bbox for a in part], np.float64).reshape(-1, 4))
+            for key, field in (("id", "id"), ("image", "image_id"), ("category", "category_id")):
+                cols[key].append(_column(part, field))
+            cols["bbox"].append(np.fromiter(chain.from_iterable(map(attrgetter("bbox"), part)), np.float64,
+                                            count=4 * len(part)).reshape(-1, 4))
             cols["crowd"].append(crowd.astype(bool))
             del part
+        width, height, image_id = (_column(images, k) for k in ("width", "height", "id"))
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, OverflowError):
         raise _Refused from None
     names = [im.file_name for im in images]
-    width, height = _int64([im.width for im in images]), _int64([im.height for im in images])
-    image_id = _int64([im.id for im in images])
     del images
     if not (all(n and "\0" not in n for n in names) and ((width >= 1) & (width <= MAX_SIDE)).all()
             and ((height >= 1) & (height <= MAX_SIDE)).all()):
