@@ -1,8 +1,9 @@
-"""COCO-format detection data: pycocotools for reading, torchvision.transforms.v2 with bounding-box tv_tensors for
-the DINO augmentation recipe, padded batches with masks.
+"""COCO-format detection data: the training targets from the shared data index (coco_index.py), pycocotools for
+evaluation, torchvision.transforms.v2 with bounding-box tv_tensors for the DINO augmentation recipe, padded batches
+with masks.
 
-Annotation problems are handled once, at load time, and reported as counts: crowd boxes are left out of training
-(COCOeval handles them in evaluation), boxes are clipped to the image, boxes with no area left are dropped.
+Annotation problems are handled once, when the index is built, and reported as counts: crowd boxes are left out of
+training (COCOeval handles them in evaluation), boxes are clipped to the image, boxes with no area left are dropped.
 Unknown category ids, missing image files and unreadable JSON are errors, and so is a field of the wrong type or
 range, found when the file is read (coco_check.py).
 """
