@@ -92,8 +92,14 @@ def detection_set(name: str, where: Path, fraction: float = 1.0) -> Path:
              for k, i in enumerate(ids.tolist())]
     for d in {os.path.dirname(x) for x in names} - {""}:
         (images_dir / d).mkdir(parents=True, exist_ok=True)
+    links = [0] * len(SIZES)
     for x, k in zip(names, which.tolist()):
-        os.link(pool / f"{SIZES[k][0]}x{SIZES[k][1]}.jpg", images_dir / x)
+        src = pool / f"{SIZES[k][0]}x{SIZES[k][1]}.jpg"
+        copy = src.with_name(f"{src.stem}_{links[k] // 60_000}.jpg")  # (ext4 allows 65,000 links to a file)
+        if not copy.exists():
+            shutil.copyfile(src, copy)
+        os.link(copy, images_dir / x)
+        links[k] += 1
     polygons = [json.dumps([np.round(rng.uniform(0, 400, 2 * int(rng.integers(10, 40))), 2).tolist()])
                 for _ in range(4096)] if size.polygons else []
     with open(out / "annotations" / "instances_train2017.json", "w") as f:
