@@ -251,3 +251,24 @@ def test_the_data_set_pickles_to_a_path_and_workers_read_the_same_samples(tmp_pa
         want = big[(epoch, i)]
         assert torch.equal(got["boxes"][0], want["boxes"]) and torch.equal(got["images"][0], want["images"])
         assert int(got["image_id"]) == int(big.ids[i])
+
+
+def test_missing_image_files_are_found_as_a_stat_per_file_finds_them(tmp_path):
+    from vtrain.data.coco import missing_files
+    from vtrain.data.index import open_index
+
+    root = tmp_path / "images"
+    (root / "sub" / "deeper").mkdir(parents=True)
+    (root / "adir").mkdir()
+    for name in ("a.jpg", "sub/b.jpg", "sub/deeper/c.jpg", "t\u00e9.jpg"):
+        (root / name).write_bytes(b"x")
+    os.symlink(root / "a.jpg", root / "sub" / "link.jpg")
+    os.symlink(root / "nowhere.jpg", root / "sub" / "dangling.jpg")
+    os.symlink(root / "adir", root / "dirlink")
+    names = ["a.jpg", "sub/b.jpg", "sub//b.jpg", "./a.jpg", "sub/deeper/c.jpg", "sub/link.jpg", "sub/dangling.jpg",
+             "dirlink", "adir", "a.jpg/", "sub/..", "nope/x.jpg", "sub/none.jpg", "t\u00e9.jpg", str(root / "a.jpg"),
+             "te\u0301.jpg"]
+    index = open_index("names-test", 1, {"n": len(names)}, lambda w: w.strings("file_names", names))
+    want = [n for n in names if not (root / n).is_file()]
+    assert want == ["sub/dangling.jpg", "dirlink", "adir", "sub/..", "nope/x.jpg", "sub/none.jpg", "te\u0301.jpg"]
+    assert missing_files(root, index) == (len(want), want[0])
