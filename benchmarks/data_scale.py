@@ -18,16 +18,21 @@ Per set the benchmark reports
   of /proc/<pid>/smaps_rollup Pss over the tree, sampled every 0.2 s), the largest DataLoader worker's private
   memory (USS; and without the index pages only it has mapped so far) and the main process's.
 The run is stopped (SIGKILL, by pid) after --steps logged steps. `--vtrain-root` picks the checkout to measure
-(the before figures: an older checkout). Detection sets (COCO, Objects365) get their own function here later.
+(the before figures: an older checkout).
+
+Detection sets (`detection`): COCO 2017 and Objects365 shaped COCO files (benchmarks/detection_sets.py says how
+they are made); per set the data set opened in a fresh process (index build cold, open cached, the pickle per
+worker, the index on disk) and `vtrain train --task dino --model debug` with workers, cold and cached.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/data_scale.py faces --sets glint360k,webface42m
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/data_scale.py detection --sets coco2017 --workers 2,4
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/data_scale.py detection --sets objects365 --workers 1,2,4
     python benchmarks/data_scale.py render          # benchmarks/results/data_scale.json -> .md
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil
@@ -37,91 +42,15 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+import detection_sets  # (this folder: benchmarks/)
+from face_sets import FACE_SETS, face_set
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "data_scale"
 GIB = 2**30
-
-
-# ---- synthetic face sets ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FaceSize:
-    images: int
-    identities: int
-
-
-FACE_SETS = {
-    "tiny": FaceSize(1_000, 10),  # the start-up that does not depend on the data's size, for reference
-    "ms1mv3": FaceSize(5_179_510, 93_431),
-    "glint360k": FaceSize(17_091_657, 360_232),
-    "webface42m": FaceSize(42_474_557, 2_059_906),
-}
-RECORD_BYTES = 3000  # average image record the offsets are spread for (a 112 x 112 JPEG)
-IMAGE_POOL, IDENTITY_POOL = 64, 8
-FACE_FORMAT = 1  # bump when the generated files change
-
-
-def _jpeg(k: int) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(k)
-    img = Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=60)
-    return buf.getvalue()
-
-
-def face_set(name: str, where: Path) -> Path:
-    """The synthetic RecordIO dir of `name`, written once under `where` and reused."""
-    from vtrain.data.recordio import IRHeader, frame, pack
-
-    size = FACE_SETS[name]
-    out = where / f"{name}_v{FACE_FORMAT}"
-    if (out / "DONE").is_file():
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    first = size.images + 1
-    end = first + size.identities
-    span = max(size.images * RECORD_BYTES // IMAGE_POOL // 4 * 4, 4096)
-    image_at = [4096 + k * span for k in range(IMAGE_POOL)]
-    identity_at = [4096 + IMAGE_POOL * span + 64 * k for k in range(IDENTITY_POOL)]
-    with open(out / "train.rec", "wb") as f:
-        f.write(frame(pack(IRHeader(2, [first, end]), b"")))  # float32 labels, as insightface writes them
-        for k, pos in enumerate(image_at):
-            f.seek(pos)
-            f.write(frame(pack(IRHeader(0, float(k * size.identities // IMAGE_POOL), k, 0), _jpeg(k))))
-        for k, pos in enumerate(identity_at):
-            f.seek(pos)
-            f.write(frame(pack(IRHeader(2, [1 + k, 2 + k], first + k, 0), b"")))
-        f.truncate(identity_at[-1] + 64 + size.identities * 40)  # sparse: the holes take no disk
-    _write_idx(out / "train.idx", size, np.array(image_at, np.int64), np.array(identity_at, np.int64))
-    (out / "property").write_text(f"{size.identities},112,112\n")
-    (out / "DONE").write_text(json.dumps({"images": size.images, "identities": size.identities}))
-    return out
-
-
-def _write_idx(path: Path, size: FaceSize, image_at: np.ndarray, identity_at: np.ndarray) -> None:
-    import pyarrow as pa
-    import pyarrow.csv as pc
-
-    schema = pa.schema([("key", pa.int64()), ("offset", pa.int64())])
-    opts = pc.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
-    lines = 1 + size.images + size.identities
-    with pc.CSVWriter(str(path), schema, write_options=opts) as w:
-        for a in range(0, lines, 1 << 22):
-            keys = np.arange(a, min(lines, a + (1 << 22)), dtype=np.int64)
-            offsets = np.zeros(len(keys), np.int64)  # key 0: the header at byte 0
-            img = (keys >= 1) & (keys <= size.images)
-            offsets[img] = image_at[(keys[img] - 1) * len(image_at) // size.images]
-            ids = keys > size.images
-            offsets[ids] = identity_at[(keys[ids] - size.images - 1) * len(identity_at) // size.identities]
-            w.write_table(pa.table({"key": keys, "offset": offsets}, schema=schema))
 
 
 # ---- measuring ----------------------------------------------------------------------------------------------------
@@ -259,13 +188,18 @@ class TreeMonitor(threading.Thread):
                    default=0)
 
 
-def train_run(data: Path, workers: int, cache: Path, vtrain_root: Path, steps: int, timeout: float) -> dict:
-    """`vtrain train` on `data` as a user runs it; stopped after `steps` logged steps."""
+FACE_RUN = ["--task", "metric", "--batch-size", "16", "--embedding-dim", "16", "--head-parallel", "sharded",
+            "--sample-rate", "0.1"]
+
+
+def train_run(data: Path | list[str], workers: int, cache: Path, vtrain_root: Path, steps: int, timeout: float,
+              task: list[str] = FACE_RUN) -> dict:
+    """`vtrain train TASK` on `data` (--data DIR, or the data flags) as a user runs it; stopped after `steps`
+    logged steps."""
     out = Path(tempfile.mkdtemp(prefix="vtrain_scale_run_"))
-    cmd = [sys.executable, "-m", "vtrain", "train", "--task", "metric", "--data", str(data), "--num-workers",
-           str(workers), "--output-dir", str(out / "run"), "--max-steps", str(steps + 100), "--log-every", "1",
-           "--batch-size", "16", "--embedding-dim", "16", "--mixed-precision", "no", "--save-every", "100000",
-           "--head-parallel", "sharded", "--sample-rate", "0.1"]
+    cmd = [sys.executable, "-m", "vtrain", "train", *task, *(data if isinstance(data, list) else ["--data", str(data)]),
+           "--num-workers", str(workers), "--output-dir", str(out / "run"), "--max-steps", str(steps + 100),
+           "--log-every", "1", "--mixed-precision", "no", "--save-every", "100000"]
     log = open(out / "log.txt", "w")
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -361,8 +295,8 @@ BEFORE = {  # measured before the shared index on this 2-core machine, as filed 
 def save(rows: list[dict], machine: str) -> None:
     path = RESULTS.with_suffix(".json")
     old = json.loads(path.read_text()) if path.is_file() else {"rows": []}
-    keep = [r for r in old["rows"] if (r["kind"], r["set"], r["label"]) not in
-            {(n["kind"], n["set"], n["label"]) for n in rows}]
+    key = lambda r: (r["kind"], r["set"], r["label"], r.get("fraction"))  # noqa: E731
+    keep = [r for r in old["rows"] if key(r) not in {key(n) for n in rows}]
     doc = {"machine": machine, "before_as_filed": BEFORE, "rows": keep + rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -413,34 +347,43 @@ def render(doc: dict) -> None:
         out += ["", "The line the run logs where the header's float32 range is made exact:", ""]
         out += [f"- {name}: `{note}`" for name, note in notes.items()]
     out += ["", "`images read`: the code before reads WebFace42M's header as float32 and takes two identity records "
-            "for images (42,474,559).", "", "## Before (as filed, the same machine)", ""]
+            "for images (42,474,559).", "", "Face sets before (as filed, the same machine):", ""]
     for name, figures in doc["before_as_filed"].items():
         out += [f"- **{name}**: " + "; ".join(f"{k}: {v}" for k, v in figures.items())]
+    out += detection_sets.render(doc)
     RESULTS.with_suffix(".md").write_text("\n".join(out) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--workers", default="2,4")
+    common.add_argument("--steps", type=int, default=5)
+    common.add_argument("--timeout", type=float, default=900)
+    common.add_argument("--label", default="after", help="the name of the code measured (after / before)")
+    common.add_argument("--vtrain-root", type=Path, default=ROOT, help="the checkout whose vtrain is run")
+    common.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "vtrain_data_scale"),
+                        help="where the generated sets are kept and reused")
+    common.add_argument("--machine", default=f"{psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / GIB:.0f} "
+                                             "GiB, shared with other jobs")
     sub = ap.add_subparsers(dest="what", required=True)
-    f = sub.add_parser("faces", help="insightface RecordIO sets")
+    f = sub.add_parser("faces", parents=[common], help="insightface RecordIO sets")
     f.add_argument("--sets", default="tiny,glint360k,webface42m", help=f"comma list of {', '.join(FACE_SETS)}")
-    f.add_argument("--workers", default="2,4")
-    f.add_argument("--steps", type=int, default=5)
-    f.add_argument("--timeout", type=float, default=900)
-    f.add_argument("--label", default="after", help="the name of the code measured (after / before)")
-    f.add_argument("--vtrain-root", type=Path, default=ROOT, help="the checkout whose vtrain is run")
-    f.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "vtrain_data_scale"),
-                   help="where the generated sets are kept and reused")
     f.add_argument("--clean", action="store_true", help="delete each generated set after its runs")
-    f.add_argument("--machine", default=f"{psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / GIB:.0f} GiB, "
-                                        "shared with other jobs")
+    d = sub.add_parser("detection", parents=[common], help="COCO-format sets (benchmarks/detection_sets.py)")
+    d.add_argument("--sets", default="coco2017", help=f"comma list of {', '.join(detection_sets.DETECTION_SETS)}")
+    d.add_argument("--fraction", type=float, default=1.0, help="write and measure this share of each set")
+    d.add_argument("--states", default="cold,cached", help="index cache states to run `vtrain train` in")
     sub.add_parser("render", help="rewrite the .md from the .json")
     args = ap.parse_args()
     if args.what == "render":
         render(json.loads(RESULTS.with_suffix(".json").read_text()))
         return
     args.vtrain_root = args.vtrain_root.resolve()
-    save(faces(args), args.machine)
+    if args.what == "detection":
+        save(detection_sets.run(args, train_run, _env, _du), args.machine)
+    else:
+        save(faces(args), args.machine)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""COCO-format detection data: pycocotools for reading, torchvision.transforms.v2 with bounding-box tv_tensors for
-the DINO augmentation recipe, padded batches with masks.
+"""COCO-format detection data: the training targets from the shared data index (coco_index.py), pycocotools for
+evaluation, torchvision.transforms.v2 with bounding-box tv_tensors for the DINO augmentation recipe, padded batches
+with masks.
 
-Annotation problems are handled once, at load time, and reported as counts: crowd boxes are left out of training
-(COCOeval handles them in evaluation), boxes are clipped to the image, boxes with no area left are dropped.
+Annotation problems are handled once, when the index is built, and reported as counts: crowd boxes are left out of
+training (COCOeval handles them in evaluation), boxes are clipped to the image, boxes with no area left are dropped.
 Unknown category ids, missing image files and unreadable JSON are errors, and so is a field of the wrong type or
 range, found when the file is read (coco_check.py).
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +26,9 @@ from torchvision.transforms.v2 import functional as TF
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
 from vtrain.data.coco_check import check_coco, check_unique
+from vtrain.data.coco_index import KIND, KIND_VERSION, gc_paused, parse_coco, write_targets
 from vtrain.data.images import decode_rgb
+from vtrain.data.index import Index, file_identity, open_index
 from vtrain.errors import VtrainError
 from vtrain.records import loads
 
@@ -53,15 +57,58 @@ class AnnotationReport:
 
 
 def load_coco(ann_file: str | Path):
-    """pycocotools COCO object with its progress prints silenced; malformed files are one-line errors."""
+    """pycocotools COCO object with its progress prints silenced (evaluation); malformed files are one-line
+    errors."""
     path = Path(ann_file)
     if not path.is_file():
         raise VtrainError(f"annotation file not found: {path}")
     try:
-        data = loads(path.read_bytes())  # nesting beyond json's recursion is "not valid JSON" (records.loads)
+        with gc_paused():  # millions of objects kept: the collector's passes over them cost more than the parse
+            data = loads(path.read_bytes())  # nesting beyond json's recursion is "not valid JSON" (records.loads)
     except (OSError, ValueError) as e:
         raise VtrainError(f"{path} is not valid JSON ({e})") from None
     return coco_from_dict(data, str(path))
+
+
+def coco_index(ann_file: Path) -> Index:
+    """The shared index of the COCO file `ann_file` (data/coco_index.py), built on first use."""
+    if not ann_file.is_file():
+        raise VtrainError(f"annotation file not found: {ann_file}")
+    where = str(ann_file)
+    try:
+        source = {"annotations": file_identity(ann_file)}
+    except OSError as e:
+        raise VtrainError(f"{where} is not valid JSON ({e})") from None
+    return open_index(KIND, KIND_VERSION, source, lambda w: write_targets(w, parse_coco(ann_file, where), where))
+
+
+def missing_files(image_dir: Path, index: Index) -> tuple[int, str | None]:
+    """How many of the index's file names are not files under `image_dir`, and the first of them. Each folder is
+    listed once (os.scandir; its entries' `is_file` follows links as `Path.is_file` does) instead of a stat per
+    image: Objects365 lists 1.7M files. Names are compared as the bytes the file system holds; a name a listing
+    cannot decide (ending in `/`, `.` or `..`) is checked on its own, as `Path` joins it."""
+    blob, ends = index.array("file_names.blob").tobytes(), index.array("file_names.offsets").tolist()
+    root = os.fsencode(image_dir)
+    listed: dict[bytes, set[bytes] | None] = {}
+    missing, first = 0, None
+    for a, b in zip(ends, ends[1:]):
+        name = blob[a:b]
+        head, _, tail = name.rpartition(b"/")
+        files = listed.get(head, ())
+        if files == ():
+            try:
+                with os.scandir(os.path.join(root, head)) as it:
+                    files = listed[head] = {e.name for e in it if e.is_file()}
+            except OSError:
+                files = listed[head] = None
+        if files is None or tail in (b"", b".", b".."):
+            there = (image_dir / name.decode("utf-8", "surrogateescape")).is_file()
+        else:
+            there = tail in files
+        if not there:
+            missing += 1
+            first = first or name.decode("utf-8", "surrogateescape")
+    return missing, first
 
 
 def coco_from_dict(data: dict, where: str):
@@ -129,7 +176,9 @@ def normalize(img: torch.Tensor) -> torch.Tensor:
 
 class CocoDetection(Dataset):
     """Images of a COCO annotation file with training targets: labels (contiguous, sorted category ids) and
-    boxes (cxcywh normalised to the transformed image)."""
+    boxes (cxcywh normalised to the transformed image). The file is read once into the shared data index
+    (data/coco_index.py, docs/data_index.md): the data set keeps the index's folder, so a DataLoader worker
+    receives a path and maps the same arrays."""
 
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     """Largest image decoded (--max-image-pixels); larger ones are refused from their header."""
@@ -137,34 +186,55 @@ class CocoDetection(Dataset):
     def __init__(self, ann_file: str | Path, image_dir: str | Path, size: int, max_size: int, train: bool,
                  seed: int = 0, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         self.ann_file, self.image_dir, self.max_pixels = Path(ann_file), Path(image_dir), max_pixels
-        self.coco = load_coco(self.ann_file)
-        self.ids = sorted(self.coco.imgs)
-        if not self.ids:
+        self._coco = None
+        self.index = coco_index(self.ann_file)
+        if not len(self):
             raise VtrainError(f"{self.ann_file} lists no images")
         if not self.image_dir.is_dir():
             raise VtrainError(f"image folder not found: {self.image_dir}")
-        missing = [i for i in self.ids if not (self.image_dir / self.coco.imgs[i]["file_name"]).is_file()]
+        missing, first = missing_files(self.image_dir, self.index)
         if missing:
-            first = self.image_dir / self.coco.imgs[missing[0]]["file_name"]
-            raise VtrainError(f"{len(missing)} of {len(self.ids)} images listed in {self.ann_file.name} are missing "
-                              f"from {self.image_dir}, e.g. {first}")
-        self._index(size, max_size, train, seed)
+            raise VtrainError(f"{missing} of {len(self)} images listed in {self.ann_file.name} are missing "
+                              f"from {self.image_dir}, e.g. {self.image_dir / first}")
+        self._setup(size, max_size, train, seed)
 
-    def _index(self, size: int, max_size: int, train: bool, seed: int) -> None:
-        """Labels, checked targets, transforms and aspect-ratio groups of `self.coco` over `self.ids`: shared by
-        annotation files and in-memory COCO sets (data/hf.py), so both go through the same checks."""
+    def _setup(self, size: int, max_size: int, train: bool, seed: int) -> None:
+        """Labels, the annotation report and transforms over `self.index`: shared by annotation files and
+        in-memory COCO sets (data/hf.py), so both go through the same checks."""
         self.train, self.seed = train, seed
-        self.cat_ids = sorted(self.coco.getCatIds())
-        self.cat_to_label = {c: i for i, c in enumerate(self.cat_ids)}
-        self.names = [self.coco.cats[c].get("name", str(c)) for c in self.cat_ids]
-        self.report = AnnotationReport()
-        self.targets = [self._clean(i) for i in self.ids]
-        self.report.unknown_image = sum(len(v) for k, v in self.coco.imgToAnns.items() if k not in self.coco.imgs)
+        info = self.index.info
+        if info.get("unknown_category"):
+            raise VtrainError(info["unknown_category"])
+        self.cat_ids = [int(c) for c in self.index.array("cat_ids")]
+        self.names = list(self.index.strings("cat_names"))
+        self.report = AnnotationReport(**info["report"])
         if train and self.report.boxes == 0:
             raise VtrainError(f"{self.ann_file}: no usable boxes to train on ({self.report.summary('annotations')})")
         self.transforms = train_transforms(size, max_size) if train else test_transforms(size, max_size)
-        # aspect-ratio groups for batching (landscape / portrait), as the recipe's AspectRatioBatchSampler
-        self.group_ids = [int(self.coco.imgs[i]["width"] < self.coco.imgs[i]["height"]) for i in self.ids]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_coco": None}  # a worker needs the index's path, not pycocotools' object
+
+    @property
+    def coco(self):
+        """pycocotools' COCO object of the file, for evaluation (COCOeval): read on first use, in this process."""
+        if self._coco is None:
+            self._coco = load_coco(self.ann_file)
+        return self._coco
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The image ids in training order (sorted)."""
+        return self.index.array("image_ids")
+
+    @property
+    def group_ids(self) -> np.ndarray:
+        """Aspect-ratio groups for batching (landscape 0 / portrait 1), as the recipe's AspectRatioBatchSampler."""
+        return (self.index.array("width") < self.index.array("height")).astype(np.int8)
+
+    @property
+    def targets(self) -> Targets:
+        return Targets(self.index)
 
     @property
     def num_classes(self) -> int:
@@ -175,40 +245,11 @@ class CocoDetection(Dataset):
         """COCO `categories` entries (id, name) in label order; saved with checkpoints for `vtrain predict`."""
         return [{"id": int(c), "name": n} for c, n in zip(self.cat_ids, self.names)]
 
-    def _clean(self, image_id: int) -> tuple[np.ndarray, np.ndarray]:
-        info = self.coco.imgs[image_id]
-        w, h = info["width"], info["height"]  # (every field's type and range: coco_check.py)
-        r = self.report
-        r.images += 1
-        boxes, labels = [], []
-        for a in self.coco.imgToAnns.get(image_id, []):
-            if a["category_id"] not in self.cat_to_label:
-                raise VtrainError(f"{self.ann_file}: annotation {a['id']} has category id {a['category_id']}, "
-                                  f"which is not in 'categories'")
-            if a.get("iscrowd", 0):
-                r.crowd += 1
-                continue
-            x, y, bw, bh = (float(v) for v in a["bbox"])
-            if not all(map(math.isfinite, (x, y, bw, bh))):
-                r.dropped_nonfinite += 1
-                continue
-            x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + bw, w), min(y + bh, h)
-            if (x0, y0, x1, y1) != (x, y, x + bw, y + bh):
-                r.clipped += 1
-            if x1 - x0 < 1.0 or y1 - y0 < 1.0:
-                r.dropped_empty += 1
-                continue
-            boxes.append([x0, y0, x1, y1])
-            labels.append(self.cat_to_label[a["category_id"]])
-        r.boxes += len(boxes)
-        r.images_without_boxes += not boxes
-        return np.asarray(boxes, np.float32).reshape(-1, 4), np.asarray(labels, np.int64)
-
     def __len__(self) -> int:
         return len(self.ids)
 
     def read(self, idx: int) -> torch.Tensor:
-        return decode_rgb(self.image_dir / self.coco.imgs[self.ids[idx]]["file_name"], max_pixels=self.max_pixels)
+        return decode_rgb(self.image_dir / self.index.strings("file_names")[idx], max_pixels=self.max_pixels)
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, torch.Tensor]:
         # The sampler passes (epoch, index): the augmentation is seeded by both (in a forked RNG, so the
@@ -225,8 +266,27 @@ class CocoDetection(Dataset):
         cxcywh = TF.convert_bounding_box_format(target["boxes"], new_format=tv_tensors.BoundingBoxFormat.CXCYWH)
         norm = torch.tensor([w, h, w, h], dtype=torch.float32)
         return {"images": normalize(img), "boxes": cxcywh.as_subclass(torch.Tensor).float() / norm,
-                "labels": target["labels"], "image_id": torch.tensor(self.ids[idx]),
+                "labels": target["labels"], "image_id": torch.tensor(int(self.ids[idx])),
                 "orig_size": torch.tensor([h0, w0]), "index": torch.tensor(idx)}
+
+
+class Targets(Sequence):
+    """Per image (in `ids` order) its training boxes (float32 x0, y0, x1, y1 pixels) and labels (int64), read
+    from the index's flat arrays."""
+
+    def __init__(self, index) -> None:
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.index.array("image_ids"))
+
+    def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[override]
+        n = len(self)
+        if not -n <= idx < n:
+            raise IndexError(idx)
+        start = self.index.array("box_start")
+        a, b = int(start[idx % n]), int(start[idx % n + 1])
+        return np.array(self.index.array("boxes")[a:b]), self.index.array("labels")[a:b].astype(np.int64)
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -22,10 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
 from vtrain.data.coco import CocoDetection, coco_from_dict
+from vtrain.data.coco_index import MemoryIndex, records_of, write_targets
 from vtrain.data.faces import FaceSamples
 from vtrain.data.images import decode_rgb, image_size
 from vtrain.data.labels import check_labels
@@ -244,12 +246,14 @@ class HfDetection(CocoDetection):
                     area = box[2] * box[3] if isinstance(box, list) and len(box) == 4 else 0.0
                 anns.append({"id": len(anns) + 1, "image_id": image_id, "category_id": int(cat), "bbox": box,
                              "area": float(area), "iscrowd": int(crowd or 0)})
-        self.coco = coco_from_dict({"images": images, "annotations": anns, "categories": categories}, where)
-        self.ids = sorted(self.coco.imgs)
-        if not self.ids:
+        data = {"images": images, "annotations": anns, "categories": categories}
+        self._coco = coco_from_dict(data, where)  # the checks; kept as the ground truth COCOeval scores against
+        self.index = MemoryIndex()
+        write_targets(self.index, records_of(data), where)
+        if not len(self):
             raise VtrainError(f"--data {where}: no rows")
-        self.rows = {image_id: row for row, image_id in enumerate(ids)}
-        self._index(size, max_size, train, seed)
+        self.rows = np.argsort(np.array(ids, np.int64), kind="stable")  # the row of the idx-th image in id order
+        self._setup(size, max_size, train, seed)
 
     def read(self, idx: int) -> torch.Tensor:
-        return decode_rgb(self.images[self.rows[self.ids[idx]]], max_pixels=self.max_pixels)
+        return decode_rgb(self.images[int(self.rows[idx])], max_pixels=self.max_pixels)
