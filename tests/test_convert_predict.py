@@ -15,7 +15,7 @@ proposal selection too, so its own detections are reproduced by a conversion tha
 `idea`). The default conversion keeps the 80 real ones (docs/convert.md §2 "Class rows"); with the fixture's random
 weights an unused row wins some proposals, which changes every detection, so the `idea-80` case compares it with
 IDEA's own model whose unused rows are switched off (bias -1e4: never positives, as in a trained model;
-predict80.json))."""
+predict80.json)."""
 
 from __future__ import annotations
 
