@@ -227,13 +227,13 @@ def commit(output_dir: str | Path, step: int, run_id: str, files: dict[str, dict
     tmp, final = tmp_path(output_dir, step), final_path(output_dir, step)
     manifest = {"format": FORMAT, "version": 1, "step": step, "run_id": run_id, "time": time.time(),
                 "files": files}
-    marker = tmp / f".{COMPLETE}.tmp"
-    with guarded.disk_op("write the manifest", marker):
-        with open(marker, "w") as f:
+    def write_manifest(part: Path) -> None:
+        with open(part, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(marker, tmp / COMPLETE)
+
+    guarded.replace_file(tmp / COMPLETE, write_manifest, "write the manifest")
     _fsync_dir(tmp)
     if os.path.lexists(final):  # the same step saved again (e.g. resumed at the very end): our own copy only
         old = read_manifest(final)
