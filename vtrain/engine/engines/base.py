@@ -69,7 +69,11 @@ class Engine:
         self.head: ShardedHead | None = None
         self.scheduler: Any = None  # the schedule whose multiplier the sharded head's update takes (`follow`)
         self.norm_parts: dict[str, torch.Tensor] = {}  # step(): the backbone's and the sharded head's norms
-        self.scaler = torch.amp.GradScaler(self.device.type) if plan.precision == "fp16" else None
+        self.scaler = self._grad_scaler()
+
+    def _grad_scaler(self) -> torch.amp.GradScaler | None:
+        """fp16 loss scaling (torch's GradScaler) for the torch step."""
+        return torch.amp.GradScaler(self.device.type) if self.plan.precision == "fp16" else None
 
     # ---- before the engine exists: the launch ---------------------------------------------------------------
     @classmethod

@@ -44,9 +44,11 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, plan: Plan, accelerator: Any) -> None:
         super().__init__(plan, accelerator)
-        self.scaler = None  # DeepSpeed scales fp16 losses itself
         self.zero3 = plan.zero_stage == 3
         self.bn_fp32_layers = 0
+
+    def _grad_scaler(self) -> None:
+        return None  # DeepSpeed scales fp16 losses itself
 
     # ---- before the engine exists: the launch ---------------------------------------------------------------
     @classmethod
