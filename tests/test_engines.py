@@ -54,6 +54,15 @@ def test_each_configuration_gets_its_engine_class(world, parallel, cls, layout, 
     assert engine_layout.OF_ENGINE[plan.kind] is layout  # what its checkpoints are read as
 
 
+def test_a_run_chooses_its_engine_once():
+    """The Trainer builds the engine once; nothing else in the package builds one or picks a class by name."""
+    calls = [f"{p.relative_to(PACKAGE)}" for p, src in _sources().items() for line in src.splitlines()
+             if re.search(r"\bbuild_engine\(", line) and not line.lstrip().startswith("def ")]
+    assert calls == ["engine/trainer.py"]
+    lookups = [f"{p.relative_to(PACKAGE)}" for p, src in _sources().items() if "ENGINES[" in src]
+    assert lookups == ["engine/parallel.py"]
+
+
 def test_the_tables_name_the_same_engines():
     assert set(ENGINES) == set(engine_layout.OF_ENGINE) == ENGINE_NAMES
     assert all(ENGINES[k].layout is engine_layout.OF_ENGINE[k] for k in ENGINES)
