@@ -1,4 +1,4 @@
-"""Bad input, as a careless or hostile user gives it (issue 9): every case must end with a non-zero exit, exactly
+"""Bad input, as a careless or hostile user gives it: every case must end with a non-zero exit, exactly
 one `error:` line that names the problem, no traceback, and nothing already on disk changed.
 
 Most cases fail in config validation, before torch is imported (~0.5 s each). The few that need a checkpoint,
@@ -129,7 +129,7 @@ class Ctx:
                "categories": [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}]}
         ann = self.file("ann.json", raw if raw is not None else json.dumps(doc))
         return self.train("--task", "dino", "--train-ann", ann, "--train-images", str(self.prior.coco_images),
-                          "--image-size", "128", "--batch-size", "2", "--max-steps", "1", "--num-workers", "0",
+                          "--val-ann", ann, "--val-images", str(self.prior.coco_images), "--image-size", "128", "--batch-size", "2", "--max-steps", "1", "--num-workers", "0",
                           "--dn-queries", "0", "--num-queries", "20", "--mixed-precision", "no")
 
 

@@ -1,4 +1,4 @@
-"""Checkpoint content (issue 18 §3, and §4's junk head file and resume of another preset): every tensor vtrain reads
+"""Checkpoint content (a junk head file and the resume of another preset included): every tensor vtrain reads
 from a checkpoint or a weights file is checked for name, shape, dtype, class range and finite values before it is
 used (engine/content.py); a checkpoint of another model is one line saying both models; consolidation writes every
 weight set whole.
@@ -60,7 +60,8 @@ def _coco(root: Path) -> list[str]:
     (root / "ann.json").write_text(json.dumps({"images": images, "annotations": anns, "categories": [
         {"id": 1, "name": "red"}, {"id": 2, "name": "orange"}]}))
     return ["--task", "dino", "--model", "debug-resnet", "--train-ann", str(root / "ann.json"), "--train-images",
-            str(root / "images"), "--image-size", "128", "--batch-size", "2", "--num-workers", "0", "--num-queries",
+            str(root / "images"), "--val-ann", str(root / "ann.json"), "--val-images", str(root / "images"),
+            "--image-size", "128", "--batch-size", "2", "--num-workers", "0", "--num-queries",
             "20", "--dn-queries", "0", "--mixed-precision", "no"]
 
 

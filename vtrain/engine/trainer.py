@@ -22,7 +22,7 @@ from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import SkipBadSamples
 from vtrain.dist import agreed, all_mean_, broadcast_from_main, gather_objects, leave
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import autoplan, content, faults, head_shard, rundir
+from vtrain.engine import autoplan, content, faults, head_shard, pretrained, rundir
 from vtrain.engine.checkpointer import Checkpointer
 from vtrain.engine.compile import compile_regions
 from vtrain.engine.ema import WeightEMA
@@ -68,6 +68,10 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.plan, self.accelerator)
         self.logger_notes: list[str] = notes + self.checkpointer.choose()
         self.resumed_from = self.checkpointer.resume_from
+        # a detector fine-tuned from a vtrain checkpoint takes its model options before the config is recorded
+        inherited = pretrained.inherit_model_options(cfg)
+        if inherited:
+            self.logger_notes.append(inherited)
         if self.is_main:
             cfg.save(self.out / ckpt.CONFIG)
             if t.resume is not None:
@@ -166,10 +170,11 @@ class Trainer:
         cfg, file = self.cfg, self.cfg.train.resume_weights_only
         msg = ""
         if cfg.model.pretrained and self.resumed_from is None:
-            content.expect_tensors(cfg.model.pretrained, None, "--pretrained")
-            msg = self.task.load_pretrained(model)
+            src = pretrained.resolve(cfg.model.pretrained)  # a file, or a checkpoint with its class names
+            content.expect_tensors(src.weights, None, "--pretrained")
+            msg = self.task.load_pretrained(model, src.weights, src.categories)
             if self.head is not None:  # a full model file's head.weight (consolidated): this rank's rows
-                msg += self.head.take_rows(read_state_dict(cfg.model.pretrained))
+                msg += self.head.take_rows(read_state_dict(src.weights))
         if file:
             sd = read_state_dict(file)
             spec = content.spec_of(model.state_dict(), exact=False)
