@@ -2,7 +2,7 @@
 
 Each row runs in its own process (an engine owns process-global state: the process group, DeepSpeed), builds the
 real vtrain model (`vtrain.memory.trace.build_model`, the constructor `vtrain train` and estimate-memory use),
-wraps it with vtrain's own engine (`resolve_plan`, `build_accelerator`, `ParallelEngine.shard/prepare`,
+wraps it with vtrain's own engine (`resolve_plan`, `build_accelerator`, `build_engine(...).shard/prepare`,
 `build_optimizer`, as the Trainer does), feeds the estimator's own inputs (batch 2, 800x1333 padded to a multiple
 of 32, --targets boxes per image) and times forward + backward + optimizer step through the engine: --warmup steps
 first (the first one creates the optimizer states), then the median of --steps. Beside each row: estimate-memory's
@@ -83,7 +83,7 @@ def child(row: dict) -> dict:
     from vtrain.memory.trace import build_model, profiled_peak, step_inputs
     from vtrain.engine.optim import build_optimizer
     from vtrain.engine.accelerator import build_accelerator
-    from vtrain.engine.parallel import ParallelEngine
+    from vtrain.engine.parallel import build_engine
     from vtrain.engine.plan import resolve_plan
     from vtrain.models.dino.msda import auto_impl
 
@@ -96,7 +96,7 @@ def child(row: dict) -> dict:
                     train=TrainConfig(batch_size=row["batch_size"], output_dir="/tmp/vtrain-dino-matrix"))
     plan = resolve_plan(cfg)
     accelerator = build_accelerator(plan, 1)
-    engine = ParallelEngine(plan, accelerator)
+    engine = build_engine(plan, accelerator)
     device = accelerator.device
     cuda = device.type == "cuda"
     torch.manual_seed(0)

@@ -236,7 +236,7 @@ class _Zero3(_Zero12):
 def test_zero_norm_hook_adds_the_head_to_deepspeeds_norm_for_one_step():
     from deepspeed.runtime.utils import combine_grad_norm_groups
 
-    from vtrain.engine.parallel import _zero_norm_with_head
+    from vtrain.engine.engines.ds_internals import zero_norm_with_head as _zero_norm_with_head
     from vtrain.errors import VtrainError
 
     head = torch.tensor(4.0)

@@ -1,7 +1,7 @@
 """Autocast under DeepSpeed ZeRO-3: the engine's forward context turns torch's weight-cast cache off, without
 which a head called twice in one forward (as DINO calls its box heads) fails in backward
 (engine/precision.py `no_weight_cast_cache`). One process, plain DeepSpeed, the engine's context chosen by
-`ParallelEngine.forward_context` for a ZeRO-3 torch_autocast plan."""
+the DeepSpeed engine's `forward_context` for a ZeRO-3 torch_autocast plan."""
 
 import subprocess
 import sys

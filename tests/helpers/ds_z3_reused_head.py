@@ -14,7 +14,7 @@ import deepspeed
 import torch
 from torch import nn
 
-from vtrain.engine.parallel import ParallelEngine
+from vtrain.engine.engines.deepspeed import DeepSpeedEngine
 from vtrain.engine.plan import Plan
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     plan = Plan("deepspeed", 1, "bf16", zero_stage=3, ds_precision_mode="torch_autocast")
     # the engine's own choice of context for this plan (no other engine state is read)
     holder = types.SimpleNamespace(plan=plan, device=torch.device("cpu"))
-    context = ParallelEngine.forward_context(holder) if mode == "vtrain" else contextlib.nullcontext()
+    context = DeepSpeedEngine.forward_context(holder) if mode == "vtrain" else contextlib.nullcontext()
     with context:
         loss = engine(torch.randn(2, 8, 16))
     engine.backward(loss)

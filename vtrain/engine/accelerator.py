@@ -1,27 +1,21 @@
 """The Accelerator a run is built on: rendezvous, process group backend and DeepSpeed plugin for a Plan.
 
-vtrain applies precision and FSDP2 itself (engine/parallel.py), so Accelerate gets `mixed_precision="no"` and never
-wraps the model in FSDP; what it does own is the launch environment, DDP and the DeepSpeed engine.
+vtrain applies precision and FSDP2 itself (engine/engines/), so Accelerate gets `mixed_precision="no"` and never
+wraps the model in FSDP; what it does own is the launch environment, DDP and the DeepSpeed engine. What differs by
+engine is asked of the plan's engine class (engine/parallel.py), never tested here.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+from accelerate.utils import InitProcessGroupKwargs
 
+from vtrain.engine.parallel import engine_class
 from vtrain.engine.plan import Plan
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def quiet_libraries() -> None:
@@ -38,43 +32,26 @@ def quiet_libraries() -> None:
 
 def build_accelerator(plan: Plan, grad_accum: int, log_with: str | None = None,
                       project_dir: str | None = None) -> Accelerator:
-    """`log_with`: an Accelerate tracker (tensorboard, wandb) writing under `project_dir`."""
+    """`log_with`: an Accelerate tracker (tensorboard, wandb) writing under `project_dir`. What differs by engine
+    (the rendezvous, the process group, the DeepSpeed plugin) comes from the plan's engine class."""
+    engine = engine_class(plan)
+    engine.check_installed()  # start-up: an untested version of a library whose internals the engine patches
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, instead of DeepSpeed warning that it guessed
-    if plan.kind == "deepspeed" and "RANK" not in os.environ:
-        # A plain `vtrain train --ds-config ...` (or `accelerate launch` with one process) sets no rendezvous;
-        # DeepSpeed would then try MPI discovery and fail on "No module named 'mpi4py'".
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    engine.launch_environment(plan)
     # We own FSDP (see fsdp.py): keep Accelerate from wrapping the model itself on GPUs.
     for var in ("ACCELERATE_USE_FSDP",):
         os.environ.pop(var, None)
+    options = engine.accelerator_options(plan, not torch.cuda.is_available())
     handlers = []
-    cpu_only = not torch.cuda.is_available()
-    if cpu_only and (plan.world_size > 1 or plan.kind == "deepspeed"):
+    if options["gloo"]:
         # Without an explicit gloo backend Accelerate reports 1 process and every rank "main" on CPU under
         # DeepSpeed (data not sharded, every rank saving): docs/cpu_distributed.md.
         handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=timedelta(minutes=30)))
-    ds_plugin = None
-    if plan.kind == "deepspeed":
-        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # the plugin below is the only DeepSpeed source
-        # `accelerate launch --config_file` with a deepspeed_config section lists the YAML's keys here, and the
-        # plugin then refuses any JSON file ("the following accelerate config variables will be ignored",
-        # measured with accelerate 1.15 and accelerate_configs/deepspeed.yaml). The plan has already read
-        # what it needs from that YAML, and vtrain fills the JSON from its own flags: one owner per knob.
-        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
-        ds_plugin = DeepSpeedPlugin(hf_ds_config=plan.ds_config)
-    # On CPU processes DDP needs cpu=True: with the gloo kwargs alone Accelerate stays at distributed type NO
-    # and `prepare` returns the bare model (measured: accelerate 1.15). cpu=True would drop DeepSpeed, so
-    # DeepSpeed keeps the kwargs route above.
-    cpu_flag = cpu_only and plan.kind != "deepspeed" and plan.world_size > 1
     # Precision is applied by vtrain (autocast here, torch_autocast inside DeepSpeed), so Accelerate gets "no".
-    accelerator = Accelerator(mixed_precision="no", deepspeed_plugin=ds_plugin, kwargs_handlers=handlers,
-                              cpu=cpu_flag, gradient_accumulation_steps=grad_accum, log_with=log_with,
-                              project_dir=project_dir)
-    if plan.kind == "fsdp" and not dist.is_initialized():
-        # fully_shard needs a process group even for one process (Accelerate creates none for a single one)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1,
-                                init_method=f"tcp://127.0.0.1:{_free_port()}")
+    accelerator = Accelerator(mixed_precision="no", deepspeed_plugin=options["deepspeed_plugin"],
+                              kwargs_handlers=handlers, cpu=options["cpu"], gradient_accumulation_steps=grad_accum,
+                              log_with=log_with, project_dir=project_dir)
+    engine.after_accelerator(plan)
     quiet_libraries()
     return accelerator

@@ -16,7 +16,7 @@ from torch import nn
 from vtrain import recompute
 from vtrain.config import RunConfig
 from vtrain.dist import broadcast_from_main
-from vtrain.ds_json import bucket_sizes, zero_settings
+from vtrain.engine.parallel import engine_class
 from vtrain.engine.plan import Plan as LaunchPlan
 from vtrain.errors import VtrainError
 from vtrain.memory.planner import Plan, plan as make_plan
@@ -40,13 +40,9 @@ def default_budget(device: torch.device) -> int:
 def run_setup_for(cfg: RunConfig, launch: LaunchPlan, num_classes: int, device: torch.device) -> Setup:
     """The estimator's Setup of this very run: model, micro-batch, largest input, precision, engine and its
     partitioning over the launched processes, the class count of the data, and the device's autocast rules."""
-    engine: dict[str, Any] = {"gpus": launch.world_size, "num_classes": num_classes, "fsdp": launch.kind == "fsdp",
-                              "autocast_policy": "cuda" if device.type == "cuda" else "cpu"}
-    if launch.kind == "deepspeed":
-        zero = zero_settings(launch.ds_config)
-        engine.update(zero=launch.zero_stage, ds_buckets=bucket_sizes(launch.ds_config), overlap_comm=zero.overlap_comm,
-                      offload="all" if launch.offload_params else ("optimizer" if launch.offload_optimizer else "none"),
-                      ds_16bit=launch.ds_precision_mode in ("bf16", "fp16"))
+    engine: dict[str, Any] = {"gpus": launch.world_size, "num_classes": num_classes,
+                              "autocast_policy": "cuda" if device.type == "cuda" else "cpu",
+                              **engine_class(launch).estimator_fields(launch)}
     return run_setup(cfg, launch.precision, **engine)
 
 

@@ -34,11 +34,11 @@ from vtrain import guarded
 from vtrain.config import RunConfig, load_run_config
 from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content, content_state, faults, resume_settings
+from vtrain.engine import content, content_state, engine_layout, faults, resume_settings
 from vtrain.engine.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.head_shard import ShardedHead
-from vtrain.engine.parallel import ParallelEngine
+from vtrain.engine.engines.base import Engine
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
 
@@ -50,12 +50,14 @@ class Stateful(Protocol):
 
 
 class Checkpointer:
-    """Owns saving, resuming (choosing the checkpoint, the lineage, the DeepSpeed reshard route), and, through
-    checkpoint.commit, pruning and the --keep-best record. Use: `choose` (before the model is built: it decides the
-    DeepSpeed universal route), `attach` (after `prepare`), then `load` once, `save` at every checkpoint step."""
+    """Owns saving, resuming (choosing the checkpoint, the lineage, the engine's reshard route), and, through
+    checkpoint.commit, pruning and the --keep-best record. Use: `choose` (before the model is built), `route` (with
+    the engine, before `prepare`: the reshard route is configured then), `attach` (after `prepare`), then `load`
+    once, `save` at every checkpoint step."""
 
     def __init__(self, cfg: RunConfig, plan: Plan, accelerator: Accelerator) -> None:
         self.cfg, self.plan, self.accelerator = cfg, plan, accelerator
+        self.faults = faults.injected()  # read once, at start-up
         self.out = Path(cfg.train.output_dir)
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.is_main = accelerator.is_main_process
@@ -66,7 +68,9 @@ class Checkpointer:
         self.best: BestKeeper | None = None
         # what a checkpoint holds, handed over by `attach`
         self.loop: Stateful | None = None
-        self.engine: ParallelEngine | None = None
+        self.engine: Engine | None = None
+        self.reshard = False
+        """The checkpoint is loaded through the engine's reshard route (a ZeRO checkpoint of another world size)."""
         self.scheduler: Any = None
         self.head: ShardedHead | None = None
         self.ema: WeightEMA | None = None
@@ -117,13 +121,14 @@ class Checkpointer:
     def resume_step(self) -> int:
         return self.resume_state.step if self.resume_state is not None else 0
 
-    @property
-    def reshard_deepspeed(self) -> bool:
-        """A ZeRO checkpoint of another world size: DeepSpeed's own loader refuses it, so it is loaded in the
-        universal format, which must be configured before the DeepSpeed engine exists (`prepare`)."""
+    def route(self, engine: Engine) -> None:
+        """Before `prepare`: whether the checkpoint to resume takes the engine's reshard route (a ZeRO checkpoint of
+        another world size, which DeepSpeed's own loader refuses, goes through its universal format), which must be
+        configured before the engine is prepared."""
         s = self.resume_state
-        return self.plan.kind == "deepspeed" and s is not None and s.engine == "deepspeed" and \
-            s.world_size != self.world
+        self.reshard = s is not None and engine.needs_reshard(s.engine, s.world_size)
+        if self.reshard:
+            engine.use_reshard_route()
 
     def newest(self) -> Path | None:
         """This lineage's newest complete checkpoint, if any."""
@@ -131,7 +136,7 @@ class Checkpointer:
         return found[-1] if found else None
 
     # ---- what a checkpoint holds ---------------------------------------------------------------------------------
-    def attach(self, *, loop: Stateful, engine: ParallelEngine, scheduler: Any, head: ShardedHead | None,
+    def attach(self, *, loop: Stateful, engine: Engine, scheduler: Any, head: ShardedHead | None,
                ema: WeightEMA | None, dataset: Any) -> None:
         """After `prepare`: the objects `save` writes and `load` restores. `dataset`: its `categories` (detection
         class names) go into every checkpoint, for `vtrain predict`."""
@@ -150,8 +155,8 @@ class Checkpointer:
         # no collective inside: a bad file only one rank reads (its head shard) stops every rank with one line
         agreed(lambda: self._check_and_read(path, state, notes))
         mine = resume_settings.run_settings(self.engine, self.scheduler)  # before the checkpoint replaces them
-        if self.reshard_deepspeed:
-            self.engine.load_resharded_deepspeed(path, self.out)  # the universal checkpoint route (parallel.py)
+        if self.reshard:
+            self.engine.load_resharded(path, self.out)  # the engine's reshard route (DeepSpeed: universal)
         else:
             self.engine.load(path)
         if not self.engine.parameters_finite():  # collective: DeepSpeed's and DCP's files are not parsed by vtrain
@@ -201,9 +206,8 @@ class Checkpointer:
         engine reads any; the head rows and the EMA are read here. No collective: `load` agrees on the outcome."""
         classes = self.dataset.num_classes
         self._same_model(path, classes)
-        saved_kind = "ddp" if state.engine == "single" else state.engine  # one process is DDP of one
-        kind = "ddp" if self.plan.kind == "single" else self.plan.kind
-        if saved_kind != kind:
+        layout = self.engine.layout  # one process is DDP of one: the same layout (engine_layout.py)
+        if engine_layout.OF_ENGINE[state.engine] is not layout:
             raise VtrainError(f"--resume: {path} was saved with {state.engine}, this run uses {self.plan.kind}")
         # the optimizer state is per parameter group, and --layer-decay changes the groups: say so before the
         # optimizer's own loader fails with a traceback (the scheduler state holds one base LR per group)
@@ -213,17 +217,16 @@ class Checkpointer:
                               f"{groups} (was --layer-decay changed?); resume with the run's settings or start "
                               "from its weights with --resume-weights-only")
         spec = content.model_spec(self.cfg, classes)
-        read = [path / ckpt.ACCELERATE / "model.safetensors"] if kind == "ddp" else []  # Accelerate's name
-        if self.reshard_deepspeed:
-            read.append(path / ckpt.MODEL)  # its buffers and frozen parameters (parallel.py)
+        read = [path / layout.model_file] if layout.model_file else []  # the engine's own file vtrain can read
+        if self.reshard:
+            read.append(path / ckpt.MODEL)  # its buffers and frozen parameters (engines/deepspeed.py)
         for f in read:
             if f.is_file():
                 content.expect_tensors(f, spec, "--resume", "this run's model")
-        if kind == "ddp" and (path / ckpt.ACCELERATE / "optimizer.bin").is_file():  # Accelerate's name
-            content_state.expect_optimizer(path / ckpt.ACCELERATE / "optimizer.bin", self.engine.optimizer_groups(),
-                                     "--resume")
+        if layout.optimizer_file and (path / layout.optimizer_file).is_file():
+            content_state.expect_optimizer(path / layout.optimizer_file, self.engine.optimizer_groups(), "--resume")
         rng = path / ckpt.ACCELERATE / f"random_states_{self.rank}.pkl"  # Accelerate's name
-        if not self.reshard_deepspeed and rng.is_file():  # the universal route restores no RNG state
+        if not self.reshard and rng.is_file():  # the universal route restores no RNG state
             content_state.expect_rng_state(rng, "--resume")
         if self.head is not None:
             self.head.load(path)  # this run's rows, re-split for its number of processes, checked as read
@@ -255,7 +258,7 @@ class Checkpointer:
         step = loop["step"]
         tmp = ckpt.tmp_path(self.out, step)
         write = guarded.Writes()
-        faults.file_size_limit(step, self.rank)
+        self.faults.file_size_limit(step, self.rank)
         write("create", tmp, ckpt.begin, self.out, step, self.is_main)
         self.accelerator.wait_for_everyone()  # the staging folder exists (and is empty) before any rank writes
         self.engine.sync_buffers()  # collective: what is saved is what every rank continues with
@@ -264,7 +267,7 @@ class Checkpointer:
             write("write", tmp / ckpt.HEAD, self.head.save, tmp)  # every rank its class range (head_shard.py)
         full = self.engine.full_state_dict()  # collective (FSDP2 / ZeRO-3 gather), whole on rank 0
         ema_full = self.ema.full_state_dict(full) if self.ema is not None else None  # collective, whole on rank 0
-        faults.crash("VTRAIN_DEBUG_CRASH_IN_SAVE", step)
+        self.faults.crash("VTRAIN_DEBUG_CRASH_IN_SAVE", step)
         if self.is_main:
             write("write", tmp / ckpt.MODEL, save_file, full, str(tmp / ckpt.MODEL))
             if ema_full is not None:

@@ -4,7 +4,7 @@ generators' states. Weights prove nothing about these: a moment of another shape
 the first update, a NaN or negative second moment turns the weights to NaN a few steps later, and a malformed RNG
 file is skipped by Accelerate without a word. A problem is one line naming the file, the tensor and what was
 expected and found. Where each check runs (before the engine reads a file, or on the state once loaded) is the
-checkpointer's (engine/checkpointer.py) and the engine's (parallel.py) business.
+checkpointer's (engine/checkpointer.py) and the engine's (engine/engines/) business.
 """
 
 from __future__ import annotations

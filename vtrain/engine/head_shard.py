@@ -3,8 +3,9 @@ finiteness check and per-rank checkpoint files.
 
 The head (models/partial_fc.py) lives OUTSIDE the module handed to Accelerate / DDP / FSDP2 / DeepSpeed: ZeRO and
 FSDP never partition it, DDP never all-reduces it (each rank's rows are its own), and its optimizer state is
-sharded by construction. The trainer calls, in order: `loss` per micro-batch, `grad_sq_norm` before the backbone
-step (one global clip norm), `step` after an applied backbone update (or `zero_grad` after a skipped one).
+sharded by construction. The trainer calls `loss` per micro-batch; the engine steps the head as one more optimizer
+(engine/engines/base.py): `grad_sq_norm` before the backbone step (one global clip norm), `step` after an applied
+backbone update (or `zero_grad` after a skipped one).
 
 Checkpoints: every rank writes `head/classes_<start>-<end>.safetensors` with its rows of the weight, the AdamW
 moments and the per-row step counts, and the class range in the metadata. Loading reads the rows of the new
@@ -197,13 +198,10 @@ def lr_factor(scheduler, step_index: int | None = None) -> float:
     return f
 
 
-def build(cfg: RunConfig, dataset, rank: int, world: int, device: torch.device, plan) -> ShardedHead | None:
-    """The sharded head of a `--head-parallel sharded` run (None otherwise), with the checks that need the plan."""
+def build(cfg: RunConfig, dataset, rank: int, world: int, device: torch.device, engine: Any) -> ShardedHead | None:
+    """The sharded head of a `--head-parallel sharded` run (None otherwise), once `engine` (engine/engines/, which
+    will step it with the model's optimizer) has said it can."""
     if cfg.model.head_parallel != "sharded":
         return None
-    if plan.kind == "deepspeed" and plan.ds_precision_mode == "fp16":
-        # DeepSpeed's fp16 loss scale is applied inside engine.backward and its overflow check covers only the
-        # engine's own partitions; the head would get scaled, unchecked gradients
-        raise VtrainError("--head-parallel sharded does not support DeepSpeed fp16 loss scaling; use bf16 or "
-                          "torch_autocast in the DeepSpeed config, or --mixed-precision fp16 without DeepSpeed")
+    engine.check_sharded_head()
     return ShardedHead(cfg, dataset.num_classes, rank, world, device)

@@ -53,7 +53,8 @@ class MicroBatches:
         """Shut the DataLoader workers down through their queues, also after an error (an unreadable image raised
         in a worker). They ignore SIGTERM (interrupt.ignore_in_worker), so multiprocessing's exit hook, which
         terminates daemonic children with SIGTERM and then joins them, would otherwise wait forever."""
-        it = getattr(self._loader, "_iterator", None)  # persistent workers' iterator
+        # persistent workers' iterator: torch (2.14.1) has no public call that stops them, hence its private one
+        it = getattr(self._loader, "_iterator", None)
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
 

@@ -30,7 +30,7 @@ from vtrain.files import write_json_atomic
 if TYPE_CHECKING:  # annotations only: the offline commands import this module for its console
     from accelerate import Accelerator
 
-    from vtrain.engine.plan import Plan
+    from vtrain.engine.engines.base import Engine
 
 console = Console(stderr=False, highlight=False)
 
@@ -183,18 +183,15 @@ def tracker_name(report_to: str) -> str | None:
     return report_to
 
 
-def describe_run(plan: Plan, world: int, device: torch.device, batch_size: int, grad_accum: int,
+def describe_run(engine: Engine, world: int, device: torch.device, batch_size: int, grad_accum: int,
                  local_param_fraction: float | None) -> str:
     """The run's first log line: engine, world, device, precision, batch arithmetic."""
-    p = plan
-    mode = {"torch_autocast": f"{p.precision} autocast, fp32 master weights (DeepSpeed torch_autocast)",
-            "bf16": "DeepSpeed full bf16 (BatchNorm kept fp32)", "fp16": "DeepSpeed fp16 + loss scaling",
-            "fp32": "fp32"}.get(p.ds_precision_mode, "fp32" if p.precision == "no" else
-                                f"{p.precision} autocast, fp32 master weights")
+    plan = engine.plan
     extra = ""
     if local_param_fraction is not None:
         extra = f" | local params {local_param_fraction:.3f} of model"
-    return (f"engine: {p.describe()} | world {world} | device {device} | precision {mode}"
+    return (f"engine: {engine.describe(plan)} | world {world} | device {device} | precision "
+            f"{engine.describe_precision(plan)}"
             f" | micro-batch {batch_size} x accum {grad_accum} x {world} = global batch "
             f"{batch_size * grad_accum * world}{extra}")
 

@@ -11,6 +11,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from vtrain.config import OptimConfig
+from vtrain.engine.parallel import engine_class
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
 
@@ -78,13 +79,8 @@ def layer_decay_note(model: nn.Module, cfg: OptimConfig, backbone_prefix: str = 
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, plan: Plan) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg)
-    if plan.kind == "deepspeed" and plan.offload_optimizer:
-        # ZeRO-Offload steps on the CPU and requires DeepSpeed's CPU Adam (compiled once, ~2 min on a new machine)
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    """AdamW over `param_groups`, of the class the plan's engine steps with (DeepSpeed's CPU Adam under ZeRO-Offload)."""
+    return engine_class(plan).make_optimizer(plan, param_groups(model, cfg), cfg)
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):

@@ -2,7 +2,8 @@
 
 Sources: vtrain's config (flags / YAML) and the environment `accelerate launch` sets from an accelerate config
 file (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_USE_FSDP, FSDP_*). The plan is
-checked against what is really active after `prepare` (see `ParallelEngine.verify`).
+checked against what is really active after `prepare` (the engine's `verify`); `kind` picks the engine class
+(engine/parallel.py), once.
 """
 
 from __future__ import annotations
@@ -49,16 +50,6 @@ class Plan:
     ds_precision_mode: str = ""  # torch_autocast | bf16 | fp16 | fp32 (DeepSpeed only)
     fsdp_offload: bool = False
     fsdp_reshard_after_forward: bool = True
-
-    def describe(self) -> str:
-        if self.kind == "deepspeed":
-            off = [n for n, on in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if on]
-            eng = f"DeepSpeed ZeRO-{self.zero_stage}" + (f" (offload {'+'.join(off)} to CPU)" if off else "")
-        elif self.kind == "fsdp":
-            eng = "FSDP2 (fully_shard per block + root" + (", CPU offload" if self.fsdp_offload else "") + ")"
-        else:
-            eng = {"single": "single process", "ddp": "DDP"}[self.kind]
-        return eng
 
 
 def _ds_config_source(cfg: RunConfig) -> tuple[dict[str, Any] | None, str | None]:

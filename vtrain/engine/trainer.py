@@ -32,7 +32,7 @@ from vtrain.engine.logging import (RunLogger, StatsWindow, StepTimer, describe_r
                                    tracker_name, write_run_info)
 from vtrain.engine.optim import build_optimizer, build_scheduler, layer_decay_note
 from vtrain.engine.accelerator import build_accelerator
-from vtrain.engine.parallel import ParallelEngine
+from vtrain.engine.parallel import build_engine
 from vtrain.engine.plan import resolve_plan
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict, read_state_dict
@@ -50,10 +50,12 @@ class Trainer:
         t = cfg.train
         enforce_weights_only()  # no file read on this run's behalf may run code (safeio.py)
         self.interrupt = interrupt or GracefulInterrupt().install()
+        self.faults = faults.injected()  # the tests' fault injection, read once (faults.py)
         # 1. launch plan, then the process group: everything below may run collectives.
         self.plan = resolve_plan(cfg)
         self.out = Path(t.output_dir)
         self.accelerator = build_accelerator(self.plan, t.grad_accum, tracker_name(t.report_to), t.output_dir)
+        self.engine = build_engine(self.plan, self.accelerator)  # the plan's engine class, chosen once
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
         self.interrupt.use_group(self.world)
@@ -92,13 +94,11 @@ class Trainer:
             self.logger_notes.append(f"--grad-ckpt auto: {self.memory_plan.describe()} "
                                      f"({self.memory_plan.traces} traces, {self.memory_plan.seconds:.0f} s)")
         # --head-parallel sharded: this rank's class shard, built beside (never inside) the model the engine wraps
-        self.head = head_shard.build(cfg, dataset, self.rank, self.world, self.accelerator.device, self.plan)
+        self.head = head_shard.build(cfg, dataset, self.rank, self.world, self.accelerator.device, self.engine)
         self.pretrained_msg = agreed(lambda: self._load_weights(model))  # every rank reads the file: one line
-        self.engine = ParallelEngine(self.plan, self.accelerator)
         # A ZeRO checkpoint of another world size is loaded in DeepSpeed's universal format, which must be
-        # configured before the engine exists (prepare, below).
-        if self.checkpointer.reshard_deepspeed:
-            self.engine.use_universal_checkpoint()
+        # configured before the engine is prepared (below).
+        self.checkpointer.route(self.engine)
         # regional torch.compile (engine/compile.py): after activation checkpointing, before FSDP2 shards the same
         # blocks, so each compiled forward runs inside its FSDP unit (torchtitan's order)
         self.logger_notes += compile_regions(model, t, self.accelerator.device, self.task.input_sizes_vary)
@@ -121,9 +121,11 @@ class Trainer:
             raise VtrainError(f"one epoch has {self.sampler.batches_per_epoch} micro-batches per process, fewer "
                               f"than --grad-accum {t.grad_accum}; lower it or set --max-steps")
         self.total_steps = t.max_steps or (t.epochs or 1) * per_epoch
-        # 7. one prepare (DDP wrap / DeepSpeed engine); the scheduler computes LRs, engine.set_lrs applies them
-        self.model, self.optimizer = self.engine.prepare(model, optimizer)
+        # 7. one prepare (DDP wrap / DeepSpeed engine; the sharded head is stepped with the optimizer); the
+        # scheduler computes LRs, engine.set_lrs applies them (the head takes the schedule's multiplier)
+        self.model, self.optimizer = self.engine.prepare(model, optimizer, self.head)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
+        self.engine.follow(self.scheduler)
         self.active = self.engine.active()
         self.active["grad_ckpt"] = recompute_summary(self.engine.unwrapped)  # read from the live blocks
         if self.memory_plan is not None:
@@ -213,7 +215,7 @@ class Trainer:
                 if self.head is not None:  # the sharded head: embeddings -> loss (collective)
                     out = self.head.loss(out, inputs["labels"])
                 loss = out["loss"]
-                if faults.nonfinite("loss", self.step + 1):
+                if self.faults.nonfinite("loss", self.step + 1):
                     loss = loss * float("nan")
                 finite = self.engine.all_finite(loss)
                 if finite:
@@ -226,12 +228,7 @@ class Trainer:
                     sums[k] = sums[k] + v if k in sums else v
         lr = self.engine.current_lr()  # the LR this update uses, read from the optimizer that steps
         if window_ok:
-            grad_norm, applied = self.engine.step(self.cfg.optim.clip_grad, self.head)
-            if self.head is not None:  # the same LR multiplier and skip decision as the backbone's update
-                if applied:
-                    self.head.step(head_shard.lr_factor(self.scheduler), grad_norm, self.cfg.optim.clip_grad)
-                else:
-                    self.head.zero_grad()
+            grad_norm, applied = self.engine.step(self.cfg.optim.clip_grad)  # the sharded head's update included
             if applied:  # the schedule and the EMA follow real updates (an fp16 overflow skip is none)
                 self.scheduler.step()
                 self.engine.set_lrs(self.scheduler.get_last_lr())
@@ -242,13 +239,11 @@ class Trainer:
             self.consecutive_nonfinite = 0
         else:
             self.engine.zero_grad()
-            if self.head is not None:
-                self.head.zero_grad()
             grad_norm = None
             self.skipped_steps += 1
             self.consecutive_nonfinite += 1
         self.step += 1
-        if faults.nonfinite("param", self.step):
+        if self.faults.nonfinite("param", self.step):
             with torch.no_grad():
                 next(p for p in self.model.parameters() if p.numel()).view(-1)[:1].fill_(float("inf"))
         self.consumed_samples += accum * self.cfg.train.batch_size * self.world
@@ -270,7 +265,7 @@ class Trainer:
 
     def _fit(self) -> dict[str, Any] | None:
         t = self.cfg.train
-        self.logger.info(describe_run(self.plan, self.world, self.accelerator.device, t.batch_size, t.grad_accum,
+        self.logger.info(describe_run(self.engine, self.world, self.accelerator.device, t.batch_size, t.grad_accum,
                                       self.active.get("local_param_fraction")))
         if self.pretrained_msg:
             self.logger.info(self.pretrained_msg)
@@ -284,8 +279,8 @@ class Trainer:
         last_eval: dict[str, Any] | None = None
         epoch = None
         while self.step < self.total_steps:
-            faults.crash("VTRAIN_DEBUG_CRASH_AT_STEP", self.step + 1)
-            faults.send_signal(self.step + 1, self.rank)
+            self.faults.crash("VTRAIN_DEBUG_CRASH_AT_STEP", self.step + 1)
+            self.faults.send_signal(self.step + 1, self.rank)
             batches = []
             for _ in range(t.grad_accum):
                 t0 = time.perf_counter()
@@ -385,7 +380,7 @@ class Trainer:
         record.update({"time": elapsed / steps, "data_time": timer.data / steps,
                        "samples_per_s": samples / max(elapsed, 1e-9), **memory_gb(self.accelerator.device),
                        "skipped": self.skipped_steps})
-        if self.engine.scaler is not None or self.plan.ds_precision_mode == "fp16":
+        if self.engine.loss_scaled:
             record["overflow_skips"] = self.overflow_skips
         eta = self.logger.eta_seconds()
         if eta is None and self.step:
