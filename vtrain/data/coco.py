@@ -10,8 +10,6 @@ range, found when the file is read (coco_check.py).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +23,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
-from vtrain.data.coco_check import check_coco, check_unique
+from vtrain.data.coco_check import check_coco, coco_from_dict
 from vtrain.data.coco_index import KIND, KIND_VERSION, gc_paused, parse_coco, write_targets
 from vtrain.data.images import decode_rgb
 from vtrain.data.index import Index, file_identity, open_index
@@ -109,20 +107,6 @@ def missing_files(image_dir: Path, index: Index) -> tuple[int, str | None]:
             missing += 1
             first = first or name.decode("utf-8", "surrogateescape")
     return missing, first
-
-
-def coco_from_dict(data: dict, where: str):
-    """pycocotools COCO object over an in-memory COCO dict (`where` names its source in errors), every field
-    checked first (data/coco_check.py)."""
-    from pycocotools.coco import COCO
-
-    check_coco(data, where)
-    coco = COCO()
-    coco.dataset = data
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco.createIndex()
-    check_unique(data, coco, where)
-    return coco
 
 
 class RandomSizeCrop(v2.Transform):

@@ -16,6 +16,8 @@ pycocotools, and a float id turns the batch's id tensor into floats, exact only 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 from typing import Any
 
@@ -104,3 +106,17 @@ def check_unique(data: dict, coco: Any, where: str) -> None:
                 raise VtrainError(f"{where}: {key}[{seen[entry['id']]}] and {key}[{i}] have the same id "
                                   f"{entry['id']} (ids must be unique)")
             seen[entry["id"]] = i
+
+
+def coco_from_dict(data: dict, where: str):
+    """pycocotools COCO object over an in-memory COCO dict (`where` names its source in errors), every field
+    checked first (data/coco_check.py)."""
+    from pycocotools.coco import COCO  # evaluation's and the fallback reader's; not imported for training
+
+    check_coco(data, where)
+    coco = COCO()
+    coco.dataset = data
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.createIndex()
+    check_unique(data, coco, where)
+    return coco

@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vtrain.data.coco_check import MAX_SIDE
+from vtrain.data.coco_check import MAX_SIDE, coco_from_dict
 from vtrain.errors import VtrainError
 from vtrain.records import categories as check_categories
 from vtrain.records import loads
@@ -201,8 +201,6 @@ def records_of(data: dict) -> Records:
 
 def parse_coco(path: Path, where: str) -> Records:
     """The checked Records of the COCO file at `path` (`where` names it in errors)."""
-    from vtrain.data.coco import coco_from_dict  # (coco.py imports this module)
-
     with gc_paused():
         try:
             # mapped, not read: the text is page cache the kernel can drop, not this process's memory; the map
