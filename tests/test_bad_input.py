@@ -19,26 +19,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ok, vtrain
+from test_bad_input import tree_hash
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
-
-def tree_hash(root: Path) -> str:
-    """Names, symlink targets and contents of everything under `root` (symlinks are not followed)."""
-    h = hashlib.sha256()
-    if not root.exists():
-        return "absent"
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(dirnames + filenames):
-            p = Path(dirpath, name)
-            h.update(str(p.relative_to(root)).encode() + b"\0")
-            if p.is_symlink():
-                h.update(b"L" + os.readlink(p).encode())
-            elif p.is_file():
-                h.update(b"F" + p.read_bytes())
-    return h.hexdigest()
-
 
 def one_error_line(proc, *needles: str) -> str:
     out = f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"

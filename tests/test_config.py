@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from tests.helpers.paths import ROOT
 from vtrain.config import build_config, read_yaml
 from vtrain.engine.ds_config import fill_ds_config
 from vtrain.errors import ConfigError
@@ -107,7 +108,7 @@ def test_ds_explicit_full_bf16_is_respected():
 def test_shipped_ds_configs_fill_cleanly():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "ds_configs"
+    root = ROOT / "ds_configs"
     stages = {}
     for name in ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"):
         ds, info = fill(json.loads((root / f"{name}.json").read_text()))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.paths import HELPERS
 from vtrain.data.faces import FaceFolder
 from vtrain.data.index import Index, file_identity, open_index
 from vtrain.data.recordio import RecordFaces, RecordReader, RecordWriter, write_face_rec
@@ -109,7 +110,7 @@ def test_a_damaged_index_is_refused_in_one_line_naming_its_folder(tmp_path, how)
 
 
 def test_two_processes_building_at_once_make_one_valid_index(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "helpers"))  # spawned processes inherit sys.path
+    monkeypatch.syspath_prepend(str(HELPERS))  # spawned processes inherit sys.path
     from index_race import build_or_wait
 
     ctx = multiprocessing.get_context("spawn")

@@ -4,13 +4,13 @@ sees on the whole batch (the gradient engines average over ranks, so mean-of-ran
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vtrain.models.dino.criterion import dino_loss
+from tests.helpers.ports import free_port
 
 
 def _outputs(b_slice: slice, seed: int = 0):
@@ -45,9 +45,7 @@ def test_two_ranks_optimise_the_whole_batch_loss(tmp_path):
     out, labels, boxes, counts = _outputs(slice(0, 4))
     whole = dino_loss(out, labels, boxes, counts, None)["loss"]
     whole.backward()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_worker, args=(port, str(tmp_path / "r")), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"r.{r}") for r in range(2)]
     # DDP/FSDP/ZeRO average gradients over ranks: that average is the whole-batch gradient

@@ -13,6 +13,7 @@ from vtrain.models.dino.denoising import build_denoising
 from vtrain.models.dino.matcher import hungarian_match, match_cost
 from vtrain.models.dino.msda import MSDeformAttn, ms_deform_attn
 from vtrain.presets import DINO_PRESETS
+from test_dino_model import _batch
 
 
 # ---- deformable attention -------------------------------------------------------------------------------------
@@ -146,17 +147,6 @@ def test_swin_l_preset_parameter_count_matches_published():
     assert 217.0e6 <= n["total"] <= 218.5e6
     assert model.levels == 5 and model.num_queries == 900 and model.dn_queries == 100
     assert len(model.encoder.layers) == 6 and len(model.decoder.layers) == 6
-
-
-def _batch(b: int = 2, h: int = 64, w: int = 96, classes: int = 3):
-    g = torch.Generator().manual_seed(0)
-    images = torch.randn(b, 3, h, w, generator=g)
-    masks = torch.zeros(b, h, w, dtype=torch.bool)
-    masks[1, :, w - 32:] = True  # second image is narrower (padded)
-    labels = torch.tensor([[0, 2], [1, 0]])[:b]
-    boxes = torch.tensor([[[.5, .5, .3, .4], [.2, .3, .2, .2]], [[.6, .4, .5, .3], [0, 0, 0, 0]]])[:b]
-    return {"images": images, "masks": masks, "labels": labels % classes, "boxes": boxes,
-            "num_targets": torch.tensor([2, 1])[:b]}
 
 
 @pytest.mark.parametrize("preset", list(DINO_PRESETS))

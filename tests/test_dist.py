@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -15,12 +14,7 @@ import torch.multiprocessing as mp
 from vtrain import dist as comm
 from vtrain.engine.checkpoint import CheckpointError
 from vtrain.errors import VtrainError
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import _port
 
 
 def _one_process_checks() -> None:

@@ -32,9 +32,8 @@ import pytest
 
 from conftest import ROOT, env
 from test_bad_input import tree_hash
+from test_hostile_data import Cli, PEAK_LIMIT_MB, DATA_LIMIT_MB
 
-PEAK_LIMIT_MB = 2560  # 2.5 GiB, the forked command's own pages (~0.8 GiB of imports) included
-DATA_LIMIT_MB = 3072
 TRAIN = ["--batch-size", "2", "--max-steps", "1", "--num-workers", "0", "--embedding-dim", "16",
          "--mixed-precision", "no", "--neck-norm", "ln"]
 
@@ -100,41 +99,6 @@ def pack_array_without_data(length: int) -> bytes:
 
 
 # ---- the per-case context ------------------------------------------------------------------------------------------
-
-class Cli:
-    """`vtrain ARGS` as a fresh forked child of one pre-imported server; `run` returns (rc, stdout, stderr, peak MB)."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs, self.n = logs, 0
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.err = open(logs / "server.err", "w")
-        self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "cli_server.py")], cwd=ROOT,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, stderr=self.err,
-                                       env=env(PYTHONPATH=path))
-
-    def _ask(self, request: dict, timeout: float = 600, pid: int | None = None) -> dict:
-        self.server.stdin.write(json.dumps(request) + "\n")
-        self.server.stdin.flush()
-        if not select.select([self.server.stdout], [], [], timeout)[0] and pid is not None:
-            os.kill(pid, signal.SIGKILL)  # a hung command fails its case instead of the session
-        line = self.server.stdout.readline()
-        assert line, f"the CLI server died; see {self.logs / 'server.err'}"
-        return json.loads(line)
-
-    def run(self, args: list[str], extra_env: dict[str, str] | None = None) -> tuple[int, str, str, float]:
-        self.n += 1
-        out, err = self.logs / f"{self.n}.out", self.logs / f"{self.n}.err"
-        case = {"args": [str(a) for a in args], "env": env(**(extra_env or {})), "cwd": str(ROOT), "stdout": str(out),
-                "stderr": str(err), "data_limit_mb": DATA_LIMIT_MB}
-        pid = self._ask({"start": case})["pid"]
-        reply = self._ask({"wait": pid}, 600, pid)
-        return reply["rc"], out.read_text(), err.read_text(), reply["maxrss_kb"] / 1024
-
-    def close(self) -> None:
-        self.server.stdin.close()
-        self.server.wait(timeout=60)
-        self.err.close()
-
 
 @dataclass
 class Prior:

@@ -27,48 +27,7 @@ from vtrain.memory.trace import cuda_autocast_policy, trace_step
 from vtrain.memory.tracker import LiveBytes
 from vtrain.models.swin_lean import LeanPatchMerging
 from vtrain.presets import DINO_PRESETS
-
-AMP = dict(device_type="cpu", dtype=torch.bfloat16)
-_ENCLOSING_HOOKS = lean._enclosing_hooks
-
-
-def _grads(module, out, *inputs):
-    """Backward of a fixed function of `out`; the gradients of the inputs and of every parameter."""
-    (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-    return [t.grad for t in inputs] + [p.grad for p in module.parameters()]
-
-
-@contextlib.contextmanager
-def _fp32_norms():
-    """CUDA autocast's fp32 list for the norms (layer_norm, group_norm), on real CPU tensors: CPU autocast would
-    run them in bf16 (the estimator's cuda_autocast_policy also swaps SDPA for a kernel CPU tensors lack)."""
-    saved = F.layer_norm, F.group_norm
-
-    def up(fn):
-        return lambda x, *a, **k: fn(x.float() if x.dtype == torch.bfloat16 else x, *a, **k)
-
-    F.layer_norm, F.group_norm = up(F.layer_norm), up(F.group_norm)
-    try:
-        yield
-    finally:
-        F.layer_norm, F.group_norm = saved
-
-
-def _run(module, fn, *inputs):
-    for p in module.parameters():
-        p.grad = None
-    xs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
-    with _fp32_norms(), torch.autocast(**AMP):
-        out = fn(*xs)
-    return [out.detach()] + _grads(module, out, *[x for x in xs if x.requires_grad])
-
-
-def _assert_bitwise(got, want):
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None), i
-        assert a is None or torch.equal(a, b), (i, (a - b).abs().max())
-
+from test_lean import AMP, _ENCLOSING_HOOKS, _fp32_norms, _run, _assert_bitwise, _ffn_before
 
 def _kept_bytes(module, fn, *inputs) -> int:
     """Bytes of the storages `fn` creates that are alive when it returns (what backward keeps, plus the output),
@@ -95,10 +54,6 @@ def _msda_before(m, query, reference_points, value, shapes, padding_mask):
     else:
         loc = ref[:, :, None, :, None, :2] + offsets / m.points * ref[:, :, None, :, None, 2:] * 0.5
     return m.output_proj(ms_deform_attn(v, shapes, loc, weights))
-
-
-def _ffn_before(m, x):
-    return m.norm(x + m.fc2(F.relu(m.fc1(x))))
 
 
 # ---- tests --------------------------------------------------------------------------------------------------------

@@ -16,21 +16,6 @@ from vtrain.models.dino.msda import MSDeformAttn, auto_impl, ms_deform_attn
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    """The kernels under the Triton interpreter. TRITON_INTERPRET is read when the kernels are decorated (first
-    import) and while they run, so it is set for the test only: CLI subprocesses of other tests must not
-    inherit it."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernels = importlib.import_module("vtrain.models.dino.msda_triton")
-    if not kernels._interpreting():
-        # on a GPU machine another test may have compiled them for CUDA first; on a CPU-only one that is a bug
-        if torch.cuda.is_available():
-            pytest.skip("the Triton kernels were imported in this process without TRITON_INTERPRET=1")
-        pytest.fail("the Triton kernels were imported without TRITON_INTERPRET=1 on a machine without CUDA")
-    return kernels
-
-
-@pytest.fixture
 def poisoned(interpret, monkeypatch):
     """Every output a kernel must write starts as NaN, so an element it skips fails the comparison."""
     monkeypatch.setattr(interpret, "empty_output",

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import ROOT
+
 SCRIPT = ROOT / "benchmarks" / "msda_kernel_report.py"
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import reseal
+from conftest import ROOT, reseal
 from test_bad_input import tree_hash
 from test_hostile_files import TRAIN, ROOT_USER, FilesCli, _leftovers, _private_mounts_work, _verifying
 from vtrain import guarded
@@ -557,7 +557,7 @@ def test_mount_points_are_read_from_the_kernels_list(tmp_path):
             "print(guarded.is_mount(p), guarded.is_mount(p + '/..'), p in guarded.mount_points())")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", 'mount --make-rprivate / && mount --bind "$1" "$2" && '
                            'exec "$0" -c "$3" "$2"', sys.executable, str(tmp_path / "a b"), str(tmp_path / "t"),
-                           code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+                           code], capture_output=True, text=True, cwd=ROOT)
     assert proc.stdout.split() == ["True", "False", "True"], proc.stdout + proc.stderr
 
 

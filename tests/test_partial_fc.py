@@ -2,7 +2,6 @@
 AdamW and re-splittable checkpoints (engine/head_shard.py). Op level: 2 gloo processes vs 1 process."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from vtrain.config import ModelConfig, OptimConfig, RunConfig
 from vtrain.engine.head_shard import ShardedHead
 from vtrain.models.metric import MarginHead
 from vtrain.models.partial_fc import PartialFC, shard_range
+from tests.helpers.ports import free_port
 
 C, D, B = 7, 6, 3  # 7 classes over 2 ranks: shards of 4 and 3 (uneven on purpose)
 CASES = [("arcface", 1.0), ("cosface", 1.0), ("arcface", 0.5), ("cosface", 0.3)]
@@ -94,9 +94,7 @@ def test_one_shard_equals_margin_head(case):
 def test_two_shards_equal_margin_head():
     """ArcFace and CosFace, full softmax and sampled: loss, embedding and weight-shard gradients of 2 gloo
     processes equal MarginHead's over the (sampled) classes on the whole batch in one process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]

@@ -31,52 +31,12 @@ from conftest import ROOT, env, ok, reseal
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine.rundir import LOCK, STALE_AFTER_S, OutputDirLock
 from vtrain.errors import VtrainError
+from test_hostile_data import Cli
 
 ARGS = ["--batch-size", "4", "--num-workers", "0", "--embedding-dim", "32", "--log-every", "1"]
 
 
 # ---- running the CLI ----------------------------------------------------------------------------------------------
-
-class Cli:
-    """`cli(*args)` runs `vtrain ARGS` to completion (a CompletedProcess, like conftest.vtrain); `cli.start(*args)`
-    returns a running one to signal and `cli.wait` it."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs, self.n = logs, 0
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.server_err = open(logs / "server.err", "w")
-        self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "cli_server.py")], cwd=ROOT,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                       stderr=self.server_err, env=env(PYTHONPATH=path))
-
-    def _ask(self, request: dict, timeout: float = 600, pid: int | None = None) -> dict:
-        self.server.stdin.write(json.dumps(request) + "\n")
-        self.server.stdin.flush()
-        if not select.select([self.server.stdout], [], [], timeout)[0] and pid is not None:
-            os.kill(pid, signal.SIGKILL)  # a hung command fails its test instead of the session
-        line = self.server.stdout.readline()
-        assert line, f"the CLI server died; see {self.logs / 'server.err'}"
-        return json.loads(line)
-
-    def start(self, *args: str, extra_env: dict[str, str] | None = None) -> dict:
-        self.n += 1
-        case = {"args": [str(a) for a in args], "env": env(**(extra_env or {})), "cwd": str(ROOT),
-                "stdout": str(self.logs / f"{self.n}.out"), "stderr": str(self.logs / f"{self.n}.err")}
-        return {**case, "pid": self._ask({"start": case})["pid"]}
-
-    def wait(self, job: dict, timeout: float = 600) -> subprocess.CompletedProcess:
-        rc = self._ask({"wait": job["pid"]}, timeout, job["pid"])["rc"]
-        return subprocess.CompletedProcess(["vtrain", *job["args"]], rc, Path(job["stdout"]).read_text(),
-                                           Path(job["stderr"]).read_text())
-
-    def __call__(self, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        return self.wait(self.start(*args, extra_env=extra_env))
-
-    def close(self) -> None:
-        self.server.stdin.close()
-        self.server.wait(timeout=60)
-        self.server_err.close()
-
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
