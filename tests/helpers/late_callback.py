@@ -1,4 +1,4 @@
-"""A rank whose native thread needs Python while the process ends (tests/test_ranks.py): `python late_callback.py
+"""A rank whose native thread needs Python while the process ends (tests/integration/test_ranks.py): `python late_callback.py
 RANK PORT vtrain|interpreter`.
 
 Rank 0 starts an all-reduce with a Python callback (which runs on gloo's worker thread once the collective
