@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-FIX = Path(__file__).parent / "fixtures"
+from tests.helpers.paths import FIXTURES
+
+FIX = FIXTURES
 # peer -> (checkpoint file, key of the weights in it, classes, full-size Swin-L 5-scale key count)
 PEERS = {"idea": ("checkpoint.pth", "model", 91, 722),
          "detrex": ("model_final.pth", "model", 80, 730),
