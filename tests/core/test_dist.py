@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers.ports import free_port as _port
 from vtrain import dist as comm
 from vtrain.engine.checkpoint import CheckpointError
 from vtrain.errors import VtrainError
-from tests.helpers.ports import free_port as _port
 
 
 def _one_process_checks() -> None:

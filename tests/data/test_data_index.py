@@ -109,6 +109,7 @@ def test_a_damaged_index_is_refused_in_one_line_naming_its_folder(tmp_path, how)
     assert open_index("test", 1, _source(tmp_path), _writes(calls)).array("values")[3] == 9 and calls == [1, 1]
 
 
+@pytest.mark.integration
 def test_two_processes_building_at_once_make_one_valid_index(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(HELPERS))  # spawned processes inherit sys.path
     from index_race import build_or_wait

@@ -125,6 +125,7 @@ def test_face_rows_give_the_folder_samples(faces, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.integration
 def test_detection_trains_and_evaluates_through_the_cli(shapes, tmp_path):
     """(The metric task's CLI run on `hf:` data is the model of test_predict.py's embedding test.)"""
     ok(vtrain("train", "--task", "dino", "--model", "debug-resnet", "--data", f"hf:{shapes['root'] / 'pq'}",

@@ -112,6 +112,7 @@ def test_layer_decay_validated(value):
     assert build_config("metric", {"optim": {"layer_decay": "1"}}).optim.layer_decay == 1.0
 
 
+@pytest.mark.integration
 def test_cli_flag_reaches_the_trainer_and_rejects_bad_values(faces, tmp_path):
     proc = vtrain("train", "--output-dir", str(tmp_path / "r"), "--layer-decay", "1.5")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+
 def dino_batch(b: int = 2, h: int = 64, w: int = 96, classes: int = 3):
     g = torch.Generator().manual_seed(0)
     images = torch.randn(b, 3, h, w, generator=g)

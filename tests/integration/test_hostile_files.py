@@ -37,6 +37,7 @@ from tests.helpers.files import (
     FilesCli, leftovers as _leftovers, private_mounts_work as _private_mounts_work, ROOT_USER, TRAIN,
     verifying as _verifying)
 
+
 @dataclass
 class Prior:
     cli: FilesCli

@@ -155,6 +155,7 @@ def test_estimate_reads_a_ds_config_as_the_training_run_does(name, tmp_path):
         assert (s.zero, s.offload, s.ds_16bit) == (info["stage"], offload, info["mode"] == "bf16")
 
 
+@pytest.mark.integration
 def test_estimate_memory_command(tmp_path):
     proc = ok(vtrain("estimate-memory", "--model", "debug", "--image-size", "128x160", "--batch-size", "2",
                      "--zero", "2", "--gpus", "4", "--json"))
@@ -178,6 +179,7 @@ def test_estimate_memory_command(tmp_path):
     assert "GiB per GPU" in proc.stdout and "max batch" in proc.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args,message", [
     (["--zero", "5"], "--zero"),
     (["--zero", "2", "--offload", "all"], "--offload all"),

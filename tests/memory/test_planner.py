@@ -71,6 +71,7 @@ def _encoder_layers():
     return build_model(DINO).encoder.layers
 
 
+@pytest.mark.integration
 def test_breakdown_command_prints_and_writes_json():
     proc = ok(vtrain("estimate-memory", "--model", "debug", "--image-size", "96x128", "--no-compare-gc",
                      "--breakdown", "--breakdown-rows", "4", "--json"))
@@ -174,6 +175,7 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_help(dino_plans):
         plan(head, estimate(head, {"Activation": 0}).total)
 
 
+@pytest.mark.integration
 def test_estimate_memory_budget_prints_the_plan_and_the_largest_batch():
     proc = ok(vtrain("estimate-memory", "--model", "debug", "--image-size", "96x128", "--batch-size", "2",
                      "--no-compare-gc", "--memory-budget", "0.6", "--json"))
@@ -191,6 +193,7 @@ def test_estimate_memory_budget_prints_the_plan_and_the_largest_batch():
     assert "--memory-budget" in line and "--grad-ckpt" in line
 
 
+@pytest.mark.integration
 def test_cpu_training_without_a_budget_is_one_error_line(tmp_path):
     line = one_error_line(vtrain("train", "--task", "dino", "--model", "debug", "--num-workers", "0",
                                  "--image-size", "96", "--batch-size", "1", "--max-steps", "1",

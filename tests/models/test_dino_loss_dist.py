@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vtrain.models.dino.criterion import dino_loss
 from tests.helpers.ports import free_port
+from vtrain.models.dino.criterion import dino_loss
 
 
 def _outputs(b_slice: slice, seed: int = 0):
@@ -41,6 +42,7 @@ def _worker(rank: int, port: int, path: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.integration
 def test_two_ranks_optimise_the_whole_batch_loss(tmp_path):
     out, labels, boxes, counts = _outputs(slice(0, 4))
     whole = dino_loss(out, labels, boxes, counts, None)["loss"]

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.batches import dino_batch as _batch
 from vtrain.models.dino import DINO, count_parameters
 from vtrain.models.dino.denoising import build_denoising
 from vtrain.models.dino.matcher import hungarian_match, match_cost
 from vtrain.models.dino.msda import MSDeformAttn, ms_deform_attn
 from vtrain.presets import DINO_PRESETS
-from tests.helpers.batches import dino_batch as _batch
 
 
 # ---- deformable attention -------------------------------------------------------------------------------------

@@ -14,8 +14,11 @@ import torch.nn.functional as F
 from timm.models.swin_transformer import PatchMerging, SwinTransformerBlock
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import vtrain.models.lean as lean
 from tests.helpers.batches import dino_batch as _batch
+from tests.helpers.lean import (
+    AMP, assert_bitwise as _assert_bitwise, ENCLOSING_HOOKS as _ENCLOSING_HOOKS, ffn_before as _ffn_before,
+    fp32_norms as _fp32_norms, run as _run)
+import vtrain.models.lean as lean
 from vtrain.models.dino import DINO
 from vtrain.models.dino.detector import Backbone
 from vtrain.models.dino.msda import MSDeformAttn, auto_impl, ms_deform_attn
@@ -27,9 +30,7 @@ from vtrain.memory.trace import cuda_autocast_policy, trace_step
 from vtrain.memory.tracker import LiveBytes
 from vtrain.models.swin_lean import LeanPatchMerging
 from vtrain.presets import DINO_PRESETS
-from tests.helpers.lean import (
-    AMP, assert_bitwise as _assert_bitwise, ENCLOSING_HOOKS as _ENCLOSING_HOOKS, ffn_before as _ffn_before,
-    fp32_norms as _fp32_norms, run as _run)
+
 
 def _kept_bytes(module, fn, *inputs) -> int:
     """Bytes of the storages `fn` creates that are alive when it returns (what backward keeps, plus the output),

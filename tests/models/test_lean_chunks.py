@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import vtrain.models.lean as lean
 from tests.helpers.batches import dino_batch as _batch
 from tests.helpers.lean import (
     AMP, assert_bitwise as _assert_bitwise, ENCLOSING_HOOKS as _ENCLOSING_HOOKS, ffn_before as _ffn_before,
     fp32_norms as _fp32_norms, grads as _grads, run as _run)
+import vtrain.models.lean as lean
 from vtrain.config import build_config
 from vtrain.errors import ConfigError
 from vtrain.models.checkpointing import set_recompute

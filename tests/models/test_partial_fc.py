@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers.ports import free_port
 from vtrain.config import ModelConfig, OptimConfig, RunConfig
 from vtrain.engine.head_shard import ShardedHead
 from vtrain.models.metric import MarginHead
 from vtrain.models.partial_fc import PartialFC, shard_range
-from tests.helpers.ports import free_port
 
 C, D, B = 7, 6, 3  # 7 classes over 2 ranks: shards of 4 and 3 (uneven on purpose)
 CASES = [("arcface", 1.0), ("cosface", 1.0), ("arcface", 0.5), ("cosface", 0.3)]

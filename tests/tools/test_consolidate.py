@@ -25,6 +25,7 @@ def _error(proc, *needles):
         assert n in proc.stderr, proc.stderr
 
 
+@pytest.mark.integration
 def test_consolidates_a_run_dir_to_safetensors_and_pt(run, tmp_path):
     live = load_file(str(complete_checkpoints(run)[-1] / "model.safetensors"))
     proc = ok(vtrain("consolidate", str(run), str(tmp_path / "m.safetensors"), "--check-model"))
@@ -37,6 +38,7 @@ def test_consolidates_a_run_dir_to_safetensors_and_pt(run, tmp_path):
     assert pt["head.weight"].dtype == torch.bfloat16 and pt["neck.norm.num_batches_tracked"].dtype == torch.int64
 
 
+@pytest.mark.integration
 def test_sharded_output_has_an_index(run, tmp_path):
     ok(vtrain("consolidate", str(run), str(tmp_path / "m.safetensors"), "--max-shard-size", "100KB"))
     index = json.loads((tmp_path / "m.safetensors.index.json").read_text())
@@ -48,6 +50,7 @@ def test_sharded_output_has_an_index(run, tmp_path):
     assert merged.keys() == set(index["weight_map"])
 
 
+@pytest.mark.integration
 def test_injected_inf_buffer_is_flagged_and_nothing_is_written(run, tmp_path):
     bad = tmp_path / "bad_ckpt"
     shutil.copytree(complete_checkpoints(run)[-1], bad)
@@ -67,6 +70,7 @@ def test_injected_inf_buffer_is_flagged_and_nothing_is_written(run, tmp_path):
     assert torch.isinf(load_file(str(out))["neck.norm.running_var"]).sum() == 1
 
 
+@pytest.mark.integration
 def test_bad_inputs_leave_out_untouched(run, tmp_path):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"previous")
@@ -86,6 +90,7 @@ def test_bad_inputs_leave_out_untouched(run, tmp_path):
     assert out.read_bytes() == b"previous"
 
 
+@pytest.mark.integration
 def test_check_model_rejects_another_models_weights(run, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(complete_checkpoints(run)[-1], other)
@@ -127,6 +132,7 @@ def test_plain_deepspeed_with_frozen_tied_and_batchnorm(stage, tmp_path):
     assert got["bn.running_var"].max() > 65504
 
 
+@pytest.mark.integration
 def test_resume_weights_only_starts_a_new_run_from_a_consolidated_file(run, faces, tmp_path):
     cons = tmp_path / "m.safetensors"
     ok(vtrain("consolidate", str(run), str(cons)))
@@ -144,6 +150,7 @@ def test_resume_weights_only_starts_a_new_run_from_a_consolidated_file(run, face
     _error(proc, "--resume-weights-only", "does not fit this model")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("layout", ["sharded", "full"])
 def test_accelerate_fsdp_save_state_layouts(run, tmp_path, layout):
     """Accelerate's FSDP save_state: SHARDED_STATE_DICT writes a DCP dir `pytorch_model_fsdp_0` holding

@@ -58,6 +58,7 @@ def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.mark.integration
 def test_predicted_boxes_are_drawn_on_the_shapes(dino_run, tmp_path, monkeypatch, capsys):
     out = tmp_path / "drawn"
     code, stdout, err = cli(monkeypatch, capsys, "predict", "--checkpoint", str(dino_run["run"]), "--images",
@@ -103,6 +104,7 @@ def _border_fraction(changed: np.ndarray, bbox: list[float], w: int, h: int, tol
     return found / len(pts)
 
 
+@pytest.mark.integration
 def test_predict_equals_evaluation_and_eval_classwise(dino_run, tmp_path, monkeypatch, capsys):
     """With every top-300 box kept and the image ids of the annotation file, predict writes exactly the results
     that `vtrain eval --save-predictions` scores: the same preprocessing, batches and post-processing."""
@@ -129,6 +131,7 @@ def test_predict_equals_evaluation_and_eval_classwise(dino_run, tmp_path, monkey
     assert {r["name"] for r in last["per_class"]} == set(rows)
 
 
+@pytest.mark.integration
 def test_bad_inputs_are_one_error_line(dino_run, tmp_path, monkeypatch, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -149,6 +152,7 @@ def test_bad_inputs_are_one_error_line(dino_run, tmp_path, monkeypatch, capsys):
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
 
 
+@pytest.mark.integration
 def test_checkpoint_without_categories_json(dino_run, tmp_path):
     """A detection checkpoint written before categories.json existed (rebuilt here: its files without it, under a
     fresh manifest): class names and ids come from --ann, giving exactly the new checkpoint's output; without
@@ -273,6 +277,7 @@ def metric_run(faces, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.integration
 def test_metric_embeddings_are_evaluations(metric_run, faces, tmp_path, monkeypatch, capsys):
     """The embeddings of the held-out image files, scored on all their pairs, give exactly the metrics of the
     run's evaluation on its `hf:` validation split (the same images as rows)."""
