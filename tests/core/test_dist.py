@@ -60,6 +60,7 @@ def _group_of_one(rank: int, port: int, path: str) -> None:
         f.write(json.dumps(dist.is_initialized()))
 
 
+@pytest.mark.integration
 def test_a_process_group_of_one_is_one_process(tmp_path):
     """FSDP2 on one process creates a group of one (engine/accelerator.build_accelerator): still no collective."""
     out = tmp_path / "left"
