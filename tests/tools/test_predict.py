@@ -216,6 +216,7 @@ def _resized(files: list[Path], size: int, max_size: int) -> list[tuple[int, int
     return [tuple(v2.Resize(size, max_size=max_size)(decode_image(str(f))).shape[-2:]) for f in files]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("flags,size", [([], (128, 213)), (["--image-size", "96"], (96, 160)),
                                         (["--image-size", "160", "--max-size", "170"], (160, 170)),
                                         (["--max-size", "140"], (128, 140))])
@@ -240,6 +241,7 @@ def test_predict_and_eval_test_size(dino_run, tmp_path, monkeypatch, capsys, fla
     assert sorted(seen) == sorted(_resized(files, *size))  # the val set (= these 2 images), in its own order
 
 
+@pytest.mark.integration
 def test_bad_test_sizes_are_one_error_line(dino_run, metric_run, tmp_path, monkeypatch, capsys):
     image = str(dino_run["files"][0])
     cases = [

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ok, vtrain
+from tests.helpers.cli import ok, vtrain
 from vtrain.models.dino.class_rows import RowPlan, class_keys, plan_rows
 
 BASE = ["--task", "dino", "--model", "debug-resnet", "--num-workers", "0", "--mixed-precision", "no",
