@@ -75,7 +75,8 @@ def test_ema_follows_the_update_rule_survives_a_crash_and_is_what_eval_uses(face
     assert ema_eval["balanced_accuracy"] == pytest.approx(in_training["balanced_accuracy"], abs=1e-3)
     assert ema_eval["TAR@FAR=0.1"] != raw_eval["TAR@FAR=0.1"] or \
         ema_eval["accuracy_threshold"] != raw_eval["accuracy_threshold"]
-    # consolidate writes the EMA weights by default (the model's with --weights model: tests/integration/test_distributed.py)
+    # consolidate writes the EMA weights by default (the model's with --weights model:
+    # tests/integration/test_distributed.py)
     report = consolidate(full, tmp_path / "ema.safetensors", check_model=True)
     assert "EMA weights" in report.source.description
     ema_out = load_file(str(tmp_path / "ema.safetensors"))
