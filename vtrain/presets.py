@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-from torch import nn
-
 
 @dataclass(frozen=True)
 class BackbonePreset:
@@ -32,10 +30,17 @@ def _arcface_vit(dim: int, depth: int, drop_path: float, desc: str, heads: int =
     """arcface_torch's face ViT (insightface recognition/arcface_torch/backbones/vit.py, docs/face.md §5): patch 9
     at 112 px (12x12 tokens), no class token, no qkv bias, ReLU6 MLP (ratio 4), LayerNorm eps 1e-5, 8 heads, no
     pooling: the neck flattens all tokens."""
-    kw = dict(patch_size=9, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0, class_token=False,
-              global_pool="", qkv_bias=False, act_layer="relu6", norm_layer=partial(nn.LayerNorm, eps=1e-5),
-              drop_path_rate=drop_path)
-    return lambda: BackbonePreset("vit_base_patch16_224", kw, True, desc, neck="flatten")
+    def preset() -> BackbonePreset:
+        # torch is imported when a preset is built, not when this table is read: the CLI reads it (through the
+        # config) and reports a flag error before importing torch (tests/core/test_layers.py)
+        from torch import nn
+
+        kw = dict(patch_size=9, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0, class_token=False,
+                  global_pool="", qkv_bias=False, act_layer="relu6", norm_layer=partial(nn.LayerNorm, eps=1e-5),
+                  drop_path_rate=drop_path)
+        return BackbonePreset("vit_base_patch16_224", kw, True, desc, neck="flatten")
+
+    return preset
 
 
 METRIC_PRESETS: dict[str, Callable[[], BackbonePreset]] = {
