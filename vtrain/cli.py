@@ -414,7 +414,7 @@ def presets() -> None:
 def convert_cmd(
     src: Annotated[Path, typer.Argument(help="A published checkpoint file (e.g. arcface_torch model.pt)")],
     out: Annotated[Path, typer.Argument(help="New run directory to write (its checkpoints/step_0)")],
-    source: Annotated[str, typer.Option("--from", help="What wrote SRC: arcface-vit (docs/convert.md)")],
+    source: Annotated[str, typer.Option("--from", help="What wrote SRC: arcface-vit, idea-dino (docs/convert.md)")],
     model: Annotated[Optional[str], typer.Option("--model", help="Preset to fill (default: the one of the file's "
                                                  "sizes, else the source's)")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT when it is an earlier `vtrain convert` output")] = False,

@@ -7,6 +7,7 @@ The resolved config is written to ``<output-dir>/config.yaml`` and is enough to 
 from __future__ import annotations
 
 import dataclasses
+import math
 import glob
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -56,7 +57,10 @@ def _check(cond: bool, flag: str, msg: str) -> None:
 _FLAG_RENAMES = {"preset": "--model", "path": "--data", "val_path": "--val-data", "pairs_file": "--pairs"}
 # fields set only in a --config file (no flag): their errors name the key alone, never a flag that does not exist
 CONFIG_ONLY = frozenset({"max_impostor_pairs", "max_genuine_pairs", "betas", "min_lr_ratio", "milestones", "gamma",
-                         "fsdp_offload", "fsdp_reshard_after_forward", "ffn_recompute", "ffn_chunk", "compile_backend"})
+                         "fsdp_offload", "fsdp_reshard_after_forward", "ffn_recompute", "ffn_chunk", "compile_backend",
+                         # DINO model options (docs/detection.md "Model options"): `vtrain convert` writes them
+                         "neck_bias", "pos_temperature", "pos_offset", "pos_normalize", "mask_invalid_proposals",
+                         "refine_eps", "box_eps", "clip_boxes"})
 
 
 def check_neck_batch(neck_norm: str, batch_size: int) -> None:
@@ -125,6 +129,32 @@ class ModelConfig:
     """DINO matching queries (default: the preset's, 900 in the recipe)."""
     dn_queries: int | None = None
     """DINO contrastive-denoising queries (default: the preset's, 100 in the recipe; 0 disables denoising)."""
+    # ---- DINO model options a faithful import of a published detector needs (docs/detection.md "Model options");
+    # the defaults are vtrain's recipe, `vtrain convert` writes the source codebase's values
+    neck_bias: bool = False
+    """DINO: the neck's convolutions (1x1 per backbone level, 3x3 stride-2 extra levels) carry a bias, as IDEA
+    DINO's and detrex's `input_proj.*.0` do; mmdetection's ChannelMapper has none (the default)."""
+    pos_temperature: float = 20.0
+    """DINO: temperature of the encoder's sine positions (20: IDEA DINO and mmdetection's base config; 10000:
+    detrex and mmdetection's improved config)."""
+    pos_offset: float = 0.0
+    """DINO: offset added to the cumulative position before normalising it (0: IDEA DINO, mmdetection's base
+    config; -0.5: detrex, mmdetection's improved config)."""
+    pos_normalize: bool = True
+    """DINO: sine positions normalised to the valid region and scaled by 2*pi (all DINO recipes); False uses the
+    raw pixel index (DETR's unnormalised form; the offset then does not apply)."""
+    mask_invalid_proposals: bool = True
+    """DINO: encoder tokens whose proposal is invalid (padding, or a box outside (0.01, 0.99)) are never chosen
+    among the top-k (score -inf). False: they are scored by the proposal head on their zeroed memory and can be
+    chosen, as IDEA DINO, detrex and mmdetection do."""
+    refine_eps: float = 1e-3
+    """DINO: eps of the inverse sigmoid of the reference boxes in the decoder's refinement (1e-3 in IDEA DINO,
+    detrex and mmdetection)."""
+    box_eps: float = 1e-3
+    """DINO: eps of the inverse sigmoid of the reference boxes in the final box predictions (IDEA DINO and detrex
+    1e-3; mmdetection's head 1e-5)."""
+    clip_boxes: bool = False
+    """DINO: post-processed boxes are clipped to the image (detrex, mmdetection); IDEA DINO does not clip."""
     pretrained_min_match: float = 0.9
     """Share of the target's tensors (the backbone's for a backbone file, the model's for a full file) that a
     --pretrained file must fill; fewer is an error (a file of another model), unless --allow-partial-pretrained."""
@@ -146,6 +176,12 @@ class ModelConfig:
         _check(self.sample_rate == 1.0 or self.head_parallel == "sharded", "--sample-rate",
                f"{self.sample_rate} < 1 needs --head-parallel sharded (negative sampling lives in the sharded head)")
         _check(self.drop_path is None or 0.0 <= self.drop_path < 1.0, "--drop-path", "must be in [0, 1)")
+        _check(math.isfinite(self.pos_temperature) and self.pos_temperature > 0, "model.pos_temperature",
+               f"must be a positive number, got {self.pos_temperature}")
+        _check(math.isfinite(self.pos_offset) and abs(self.pos_offset) <= 1, "model.pos_offset",
+               f"must be in [-1, 1], got {self.pos_offset}")
+        _check(0 < self.refine_eps < 0.5, "model.refine_eps", f"must be in (0, 0.5), got {self.refine_eps}")
+        _check(0 < self.box_eps < 0.5, "model.box_eps", f"must be in (0, 0.5), got {self.box_eps}")
         _check(self.ffn_chunk >= 0, "model.ffn_chunk", f"must be >= 0 (0: no chunking), got {self.ffn_chunk}")
         try:
             spec = recompute.parse(self.grad_ckpt)

@@ -7,7 +7,6 @@ Each metric preset returns the timm model name and keyword arguments for a backb
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 
@@ -19,28 +18,29 @@ class BackbonePreset:
     description: str = ""
     neck: str = "linear"
     """The embedding neck (models/metric.py): `linear` projects pooled features; `flatten` flattens every token
-    (arcface_torch's ViT feature layer, docs/face.md §5)."""
+    (arcface_torch's ViT feature layer, docs/face.md §6)."""
 
 
 def _vit(name: str, desc: str, **kw: Any) -> Callable[[], BackbonePreset]:
     return lambda: BackbonePreset(name, kw, True, desc)
 
 
+def _layer_norm_eps_1e5(dim: int, **kw: Any) -> Any:
+    """torch's LayerNorm with its default eps 1e-5, as arcface_torch builds it (timm's ViT default is 1e-6). Imports
+    torch when a model is built: presets.py is read by the CLI before torch is imported."""
+    from torch import nn
+
+    return nn.LayerNorm(dim, eps=1e-5, **kw)
+
+
 def _arcface_vit(dim: int, depth: int, drop_path: float, desc: str, heads: int = 8) -> Callable[[], BackbonePreset]:
-    """arcface_torch's face ViT (insightface recognition/arcface_torch/backbones/vit.py, docs/face.md §5): patch 9
+    """arcface_torch's face ViT (insightface recognition/arcface_torch/backbones/vit.py, docs/face.md §6): patch 9
     at 112 px (12x12 tokens), no class token, no qkv bias, ReLU6 MLP (ratio 4), LayerNorm eps 1e-5, 8 heads, no
     pooling: the neck flattens all tokens."""
-    def preset() -> BackbonePreset:
-        # torch is imported when a preset is built, not when this table is read: the CLI reads it (through the
-        # config) and reports a flag error before importing torch (tests/core/test_layers.py)
-        from torch import nn
-
-        kw = dict(patch_size=9, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0, class_token=False,
-                  global_pool="", qkv_bias=False, act_layer="relu6", norm_layer=partial(nn.LayerNorm, eps=1e-5),
-                  drop_path_rate=drop_path)
-        return BackbonePreset("vit_base_patch16_224", kw, True, desc, neck="flatten")
-
-    return preset
+    kw = dict(patch_size=9, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0, class_token=False,
+              global_pool="", qkv_bias=False, act_layer="relu6", norm_layer=_layer_norm_eps_1e5,
+              drop_path_rate=drop_path)
+    return lambda: BackbonePreset("vit_base_patch16_224", kw, True, desc, neck="flatten")
 
 
 METRIC_PRESETS: dict[str, Callable[[], BackbonePreset]] = {

@@ -37,7 +37,8 @@ def coco(root: Path) -> list[str]:
     (root / "ann.json").write_text(json.dumps({"images": images, "annotations": anns, "categories": [
         {"id": 1, "name": "red"}, {"id": 2, "name": "orange"}]}))
     return ["--task", "dino", "--model", "debug-resnet", "--train-ann", str(root / "ann.json"), "--train-images",
-            str(root / "images"), "--image-size", "128", "--batch-size", "2", "--num-workers", "0", "--num-queries",
+            str(root / "images"), "--val-ann", str(root / "ann.json"), "--val-images", str(root / "images"),
+            "--image-size", "128", "--batch-size", "2", "--num-workers", "0", "--num-queries",
             "20", "--dn-queries", "0", "--mixed-precision", "no"]
 
 

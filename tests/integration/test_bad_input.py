@@ -112,7 +112,7 @@ class Ctx:
                "categories": [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}]}
         ann = self.file("ann.json", raw if raw is not None else json.dumps(doc))
         return self.train("--task", "dino", "--train-ann", ann, "--train-images", str(self.prior.coco_images),
-                          "--image-size", "128", "--batch-size", "2", "--max-steps", "1", "--num-workers", "0",
+                          "--val-ann", ann, "--val-images", str(self.prior.coco_images), "--image-size", "128", "--batch-size", "2", "--max-steps", "1", "--num-workers", "0",
                           "--dn-queries", "0", "--num-queries", "20", "--mixed-precision", "no")
 
 

@@ -29,13 +29,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.cli import launch, reseal, tree_hash
-from tests.helpers.paths import ROOT
-from tests.helpers.fork_server import Cli
-from vtrain.engine import rundir
 from tests.helpers.checkpoints import coco as _coco, edit, METRIC, SHARD, snapshot as _snapshot
+from tests.helpers.cli import launch, reseal, tree_hash
+from tests.helpers.fork_server import Cli
+from tests.helpers.paths import ROOT
+from vtrain.engine import rundir
 
 CLASSES, DIM = 4, 16  # the metric run: 4 identities, 16-d embeddings, one head shard with all 4 classes
+
+
 # ---- the prior runs -----------------------------------------------------------------------------------------------
 
 @dataclass

@@ -201,3 +201,54 @@ def test_metric_model_of_other_identity_count_keeps_backbone(faces, tmp_path):
     save_file(saved, str(tmp_path / "w.safetensors"))
     with pytest.raises(VtrainError, match=f"1 tensors of another shape \\({neck} "):
         base.load_pretrained(base.build_model())
+
+
+def test_an_evaluation_set_of_other_classes_is_one_error(sets, tmp_path):
+    """Labels are scored under the evaluation set's category ids, in the model's class order: a training run whose
+    evaluation set has other categories (e.g. the demo's, left as --data's default beside --train-ann of other
+    classes), and `vtrain eval` of a checkpoint on such a set, stop in one line before anything runs."""
+    images = _data_flags(sets["new_ann"])[3]
+    cases = [
+        ("train", ("train", *BASE, "--train-ann", str(sets["new_ann"]), "--train-images", images, "--output-dir",
+                   str(tmp_path / "run"), "--max-steps", "1"), "categories are not the training set's 5"),
+        ("eval", ("eval", "--checkpoint", str(sets["ckpt"]), "--val-ann", str(sets["new_ann"]), "--val-images",
+                  images), "categories are not the checkpoint's"),
+    ]
+    for name, argv, expected in cases:
+        proc = vtrain(*argv)
+        errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr and len(errors) == 1, (name, proc.stderr)
+        assert expected in errors[0] and "first difference at label 0" in errors[0], (name, errors)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # the same classes evaluate
+    ok(vtrain("eval", "--checkpoint", str(sets["ckpt"]), "--val-ann", str(sets["demo_ann"]), "--val-images", images))
+
+
+def test_finetuning_takes_the_checkpoints_model_options(sets, tmp_path):
+    """A checkpoint built with other model options (as `vtrain convert` records a source's: neck bias, sine
+    positions) is fine-tuned with them: the run leaves them unset, takes the checkpoint's (one log line, recorded in
+    its config.yaml) and its weights fit; a run that sets one to another value is one error line."""
+    import yaml
+
+    options = {"neck_bias": True, "pos_temperature": 10000.0, "pos_offset": -0.5}
+    cfg = tmp_path / "options.yaml"
+    cfg.write_text(yaml.safe_dump({"model": options}))
+    src = tmp_path / "src"
+    ok(vtrain("train", *BASE, *_data_flags(sets["demo_ann"]), "--config", str(cfg), "--output-dir", str(src),
+              "--max-steps", "1", "--save-every", "1"))
+    run = tmp_path / "ft"
+    proc = ok(vtrain("train", *BASE, *_data_flags(sets["new_ann"]), "--output-dir", str(run), "--max-steps", "1",
+                     "--save-every", "1", "--pretrained", str(src)))
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if "model options of" in x]
+    assert len(lines) == 1 and "neck_bias=True" in lines[0] and "pos_temperature=10000.0" in lines[0], lines
+    saved = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert {k: saved[k] for k in options} == options
+    assert "neck.lateral.0.0.bias" in load_file(str(run / "checkpoints" / "step_1" / "model.safetensors"))
+
+    clash = tmp_path / "clash.yaml"
+    clash.write_text(yaml.safe_dump({"model": {"pos_temperature": 30.0}}))
+    proc = vtrain("train", *BASE, *_data_flags(sets["new_ann"]), "--config", str(clash), "--output-dir",
+                  str(tmp_path / "bad"), "--max-steps", "1", "--pretrained", str(src))
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr
+    assert "model.pos_temperature: this run 30.0, the checkpoint 10000.0" in errors[0], errors

@@ -281,7 +281,8 @@ def _(c):
            "categories": [{"id": 1, "name": "a"}]}
     c.file("coco/ann.json", json.dumps(ann).encode())
     return ["train", "--task", "dino", "--output-dir", str(c.out), "--train-ann", str(c.inputs / "coco" / "ann.json"),
-            "--train-images", str(c.inputs / "coco" / "img"), "--image-size", "128", "--batch-size", "2",
+            "--train-images", str(c.inputs / "coco" / "img"), "--val-ann", str(c.inputs / "coco" / "ann.json"),
+            "--val-images", str(c.inputs / "coco" / "img"), "--image-size", "128", "--batch-size", "2",
             "--max-steps", "1", "--num-workers", "0", "--dn-queries", "0", "--num-queries", "20",
             "--mixed-precision", "no"]
 

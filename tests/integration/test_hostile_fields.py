@@ -108,7 +108,8 @@ class Ctx:
 
     def train_dino(self, ann: Path) -> list[str]:
         return ["train", "--task", "dino", "--model", "debug-resnet", "--output-dir", str(self.out / "new"),
-                "--train-ann", str(ann), "--train-images", str(self.prior.coco / "images"), "--image-size", "128",
+                "--train-ann", str(ann), "--train-images", str(self.prior.coco / "images"), "--val-ann", str(ann),
+                "--val-images", str(self.prior.coco / "images"), "--image-size", "128",
                 "--batch-size", "2", "--num-workers", "0", "--num-queries", "20", "--dn-queries", "0",
                 "--mixed-precision", "no", "--max-steps", "1"]
 

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vtrain.memory.trace import cuda_autocast_policy
 from vtrain.models.backbones import build_backbone
 from vtrain.models.dino import DINO
-from vtrain.models.swin_attention import SharedBiasSwinBlock, use_shared_bias_attention, window_groups
+from vtrain.models.swin_attention import DetectionSwinBlock, SharedBiasSwinBlock, use_shared_bias_attention, window_groups
 
 TINY = dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), drop_path_rate=0.0)
 
@@ -109,11 +109,12 @@ def test_windows_of_a_group_share_timms_mask(batch, grid):
 
 def test_presets_build_the_shared_bias_blocks():
     with torch.device("meta"):
-        models = {"dino debug": DINO("debug", 5).backbone.body, "metric swin-t": build_backbone("swin-t", 112)}
+        models = {"dino debug": (DINO("debug", 5).backbone.body, DetectionSwinBlock),
+                  "metric swin-t": (build_backbone("swin-t", 112), SharedBiasSwinBlock)}
         vit = build_backbone("debug", 112)
-    for name, model in models.items():
+    for name, (model, cls) in models.items():
         blocks = [m for m in model.modules() if isinstance(m, SwinTransformerBlock)]
-        assert blocks and all(type(m) is SharedBiasSwinBlock for m in blocks), name
+        assert blocks and all(type(m) is cls for m in blocks), name
     assert use_shared_bias_attention(vit) == 0
 
 

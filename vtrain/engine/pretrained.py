@@ -34,3 +34,50 @@ def resolve(path: str | Path) -> PretrainedSource:
     if p.name in (ckpt.MODEL, ckpt.EMA) and (beside / ckpt.CATEGORIES).is_file():
         return PretrainedSource(p, ckpt.read_categories(beside))
     return PretrainedSource(p, None)
+
+
+def inherit_model_options(cfg: Any) -> str | None:
+    """A detector fine-tuned from a vtrain checkpoint is built with that checkpoint's model options (the choices on
+    which the published codebases differ: neck bias, sine positions, proposal masking, eps, box clipping;
+    docs/detection.md "Model options"), which `vtrain convert` records from the source: its weights only fit, and
+    only compute what they were trained to, with them. An option the run leaves at its default takes the
+    checkpoint's value; one the run sets to another value than the checkpoint's is one error line. Returns the log
+    line naming the options taken (None when there are none). Called before the run's config.yaml is written, so
+    the run records the model it builds."""
+    import dataclasses
+    import typing
+
+    from vtrain.config import ModelConfig
+    from vtrain.config_values import coerce, read_yaml
+    from vtrain.errors import VtrainError
+    from vtrain.models.dino.detector import DinoOptions
+
+    m = cfg.model
+    if cfg.task != "dino" or not m.pretrained or not Path(m.pretrained).is_dir():
+        return None
+    found = ckpt.find_verified(m.pretrained, "--pretrained")
+    saved = read_yaml(found / ckpt.CONFIG, "checkpoint config").get("model") or {}
+    if not isinstance(saved, dict):
+        return None
+    hints = typing.get_type_hints(ModelConfig)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    taken, clash = {}, []
+    for f in dataclasses.fields(DinoOptions):
+        if f.name not in saved or saved[f.name] is None:
+            continue
+        theirs = coerce(saved[f.name], hints[f.name], f"checkpoint config {found / ckpt.CONFIG}: model.{f.name}")
+        ours = getattr(m, f.name)
+        if ours == theirs:
+            continue
+        if ours == defaults[f.name]:
+            taken[f.name] = theirs
+        else:
+            clash.append(f"model.{f.name}: this run {ours}, the checkpoint {theirs}")
+    if clash:
+        raise VtrainError(f"--pretrained: {found} was built with other model options ({'; '.join(clash)}); its "
+                          "weights fit only its own: leave them unset to take the checkpoint's")
+    if not taken:
+        return None
+    cfg.model = dataclasses.replace(m, **taken)
+    return (f"--pretrained: model options of {found} taken: "
+            + ", ".join(f"{k}={v}" for k, v in taken.items()))

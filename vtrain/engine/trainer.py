@@ -66,6 +66,10 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.plan, self.accelerator)
         self.logger_notes: list[str] = notes + self.checkpointer.choose()
         self.resumed_from = self.checkpointer.resume_from
+        # a detector fine-tuned from a vtrain checkpoint takes its model options before the config is recorded
+        inherited = pretrained.inherit_model_options(cfg)
+        if inherited:
+            self.logger_notes.append(inherited)
         if self.is_main:
             cfg.save(self.out / ckpt.CONFIG)
             if t.resume is not None:

@@ -36,9 +36,10 @@ FORMATS: dict[str, Format] = {
     # insightface recognition/arcface_torch/backbones/vit.py: its feature layer `feature.0-3`, no class token
     "arcface-vit": Format("an arcface_torch ViT (insightface recognition/arcface_torch)",
                           keys=("patch_embed.proj.weight", "pos_embed", "feature.0.weight", "feature.3.running_var")),
-    # IDEA-Research/DINO models/dino/dino.py: backbone Joiner `backbone.0.body`, `input_proj`, `label_enc`
+    # IDEA-Research/DINO models/dino/dino.py: backbone Joiner `backbone.0` (the Swin itself; `backbone.0.body` for
+    # a ResNet), `input_proj`, `label_enc`
     "idea-dino": Format("an IDEA-Research DINO detector", keys=("label_enc.weight",),
-                        prefixes=("backbone.0.body.", "input_proj.0.", "transformer.encoder.layers.")),
+                        prefixes=("backbone.0.", "input_proj.0.", "transformer.encoder.layers.")),
     # IDEA-Research/detrex projects/dino: `neck.convs`, `label_enc`, encoder layers with `attentions`
     "detrex-dino": Format("a detrex DINO detector", keys=("label_enc.weight",),
                           prefixes=("neck.convs.", "transformer.encoder.layers.")),
@@ -58,14 +59,16 @@ def is_state_dict(obj: Any) -> bool:
 
 
 def unwrap(obj: Any) -> tuple[dict[str, torch.Tensor] | None, str | None]:
-    """(the state dict, the container key it was under or None) of a loaded file; (None, None) when it holds none."""
-    if is_state_dict(obj):
-        return obj, None
-    if isinstance(obj, dict):
-        for key in CONTAINERS:
-            if is_state_dict(obj.get(key)):
-                return obj[key], key
-    return None, None
+    """(the state dict, the container keys it was under, dotted, or None) of a loaded file, descending through
+    nested containers (`{"model": {"module": ...}}`); (None, None) when it holds none."""
+    keys: list[str] = []
+    while not is_state_dict(obj):
+        key = next((k for k in CONTAINERS if isinstance(obj, dict) and isinstance(obj.get(k), dict)), None)
+        if key is None or len(keys) >= len(CONTAINERS):
+            return None, None
+        obj = obj[key]
+        keys.append(key)
+    return obj, ".".join(keys) or None
 
 
 def detect(names: Iterable[str]) -> str | None:

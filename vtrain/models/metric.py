@@ -27,7 +27,7 @@ class EmbeddingNeck(nn.Module):
 
 
 class FlattenNeck(nn.Module):
-    """arcface_torch's ViT feature layer (docs/face.md §5): every token's features flattened, Linear (no bias) to the
+    """arcface_torch's ViT feature layer (docs/face.md §6): every token's features flattened, Linear (no bias) to the
     token width + norm, Linear (no bias) to the embedding + norm; its BatchNorms use eps 2e-5. Input (B, N, C)."""
 
     def __init__(self, tokens: int, width: int, dim: int, norm: str = "bn") -> None:

@@ -85,6 +85,8 @@ class SharedBiasSwinBlock(SwinTransformerBlock):
     16-bit residual stream that CUDA autocast makes for each LayerNorm, and the GELU output that fc2 keeps, made
     again from the fc1 output that GELU keeps anyway."""
 
+    pad_first = False  # timm's order: shift, then pad (DetectionSwinBlock pads first)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, h, w, c = x.shape
         x = x + self.drop_path1(self._attn(lean_norm(self.norm1, x)))
@@ -106,13 +108,17 @@ class SharedBiasSwinBlock(SwinTransformerBlock):
         return self.get_attn_mask(shifted_x.new_empty((1, 2 * wh, 2 * ww, 1), dtype=dtype))
 
     def _attn(self, x: torch.Tensor) -> torch.Tensor:
-        # timm's _attn (cyclic shift, pad, partition, merge, reverse shift) with the windows regrouped by mask
+        # timm's _attn (cyclic shift, pad, partition, merge, reverse shift) with the windows regrouped by mask;
+        # DetectionSwinBlock pads before the shift instead (`pad_first`)
         b, h, w, c = x.shape
         has_shift = any(self.shift_size)
-        shifted_x = torch.roll(x, shifts=(-self.shift_size[0], -self.shift_size[1]), dims=(1, 2)) if has_shift else x
         pad_h = (self.window_size[0] - h % self.window_size[0]) % self.window_size[0]
         pad_w = (self.window_size[1] - w % self.window_size[1]) % self.window_size[1]
-        shifted_x = F.pad(shifted_x, (0, 0, 0, pad_w, 0, pad_h))
+        if self.pad_first:
+            x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
+        shifted_x = torch.roll(x, shifts=(-self.shift_size[0], -self.shift_size[1]), dims=(1, 2)) if has_shift else x
+        if not self.pad_first:
+            shifted_x = F.pad(shifted_x, (0, 0, 0, pad_w, 0, pad_h))
         _, hp, wp, _ = shifted_x.shape
 
         windows = window_partition(shifted_x, self.window_size).view(-1, self.window_area, c)
@@ -123,18 +129,38 @@ class SharedBiasSwinBlock(SwinTransformerBlock):
             out = grouped_window_attention(self.attn, windows)
 
         out = out.view(-1, self.window_size[0], self.window_size[1], c)
-        shifted_x = window_reverse(out, self.window_size, hp, wp)[:, :h, :w, :].contiguous()
+        shifted_x = window_reverse(out, self.window_size, hp, wp)
+        if self.pad_first:
+            if has_shift:
+                shifted_x = torch.roll(shifted_x, shifts=self.shift_size, dims=(1, 2))
+            return shifted_x[:, :h, :w, :].contiguous()
+        shifted_x = shifted_x[:, :h, :w, :].contiguous()
         if has_shift:
             return torch.roll(shifted_x, shifts=self.shift_size, dims=(1, 2))
         return shifted_x
 
 
-def use_shared_bias_attention(model: nn.Module) -> int:
+class DetectionSwinBlock(SharedBiasSwinBlock):
+    """The Swin block of the detection codebases (docs/detection.md "The detection Swin"): the feature map is padded
+    to whole windows *before* the cyclic shift, and the padding is cut off after the reverse shift, as the Swin
+    detection code that IDEA DINO, detectron2/detrex and mmdetection carry does (timm shifts first, then pads:
+    the two differ wherever a side is not a multiple of the window). Whether a block shifts is the model's setting:
+    the detection backbone builds timm's Swin with `always_partition=True`, so every odd block of every stage
+    shifts by half a window, also where one window covers the whole map (timm's default turns the shift off there).
+    Same parameters, buffers and state-dict keys as timm's block; the shift masks are the same function of the
+    padded map, so the four mask groups and the shared-bias attention are those of SharedBiasSwinBlock."""
+
+    pad_first = True
+
+
+def use_shared_bias_attention(model: nn.Module, detection: bool = False) -> int:
     """Switch every timm SwinTransformerBlock in `model` to SharedBiasSwinBlock in place (a class swap: weights,
-    checkpointing and FSDP units are untouched). Returns how many blocks were switched (0 for other backbones)."""
+    checkpointing and FSDP units are untouched), or to DetectionSwinBlock (`detection`: pad before the shift).
+    Returns how many blocks were switched (0 for other backbones)."""
+    cls = DetectionSwinBlock if detection else SharedBiasSwinBlock
     n = 0
     for m in model.modules():
         if type(m) is SwinTransformerBlock:
-            m.__class__ = SharedBiasSwinBlock
+            m.__class__ = cls
             n += 1
     return n

@@ -54,7 +54,12 @@ def use_lean_swin(body: nn.Module) -> None:
 def swin_features(body: nn.Module, x: torch.Tensor, indices: list[int],
                   out_norms: nn.ModuleList) -> list[torch.Tensor]:
     """timm's `forward_intermediates(x, indices, intermediates_only=True)` for a (pruned) SwinTransformer, each
-    taken stage output normed by `out_norms` on its NHWC self, returned as NCHW views."""
+    taken stage output normed by `out_norms` on its NHWC self, returned as NCHW views. An image whose sides are
+    not multiples of the patch size is padded with zeros at the bottom and right first, as the detection Swin's
+    patch embedding does (docs/detection.md "The detection Swin"; vtrain's batches are multiples of 32 already)."""
+    ph, pw = body.patch_embed.patch_size
+    if x.shape[-2] % ph or x.shape[-1] % pw:
+        x = F.pad(x, (0, -x.shape[-1] % pw, 0, -x.shape[-2] % ph))
     x = body.patch_embed(x)
     feats = []
     for i, stage in enumerate(body.layers):

@@ -140,8 +140,27 @@ class DinoTask:
         self.size, self.max_size = size, max_size
 
     def check_eval_data(self) -> None:
-        """Load and check the evaluation set now (at the start of training), not first at evaluation time."""
-        self.val_dataset()
+        """Load and check the evaluation set now (at the start of training), not first at evaluation time: its
+        categories must be the training set's."""
+        if self.val_dataset() is not None:
+            self.check_eval_categories(self.train_dataset().categories, "the training set's")
+
+    def check_eval_categories(self, categories: list[dict[str, Any]], whose: str) -> None:
+        """The evaluation set labels detections with the model's class order (label i = `categories[i]`), so its
+        categories (COCO ids and names, in order) must be the model's: another class list would score labels under
+        the wrong ids, or index past the list."""
+        val = self.val_dataset()
+        if val is None:
+            return
+        theirs = [(int(c["id"]), str(c["name"])) for c in categories]
+        ours = [(int(c["id"]), str(c["name"])) for c in val.categories]
+        if ours != theirs:
+            diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            at = (f"first difference at label {diff}: {ours[diff] if diff < len(ours) else 'none'} vs "
+                  f"{theirs[diff] if diff < len(theirs) else 'none'}")
+            raise VtrainError(f"--val-ann: the evaluation set's {len(ours)} categories are not {whose} "
+                              f"{len(theirs)} (COCO id, name) in order ({at}); give --val-ann/--val-images of the "
+                              "same classes")
 
     @staticmethod
     def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -220,7 +239,8 @@ class DinoTask:
         pos = 0
         for batch in loader:
             out = forward(images=batch["images"].to(device, input_dtype), masks=batch["masks"].to(device))
-            results = postprocess(out["pred_logits"], out["pred_boxes"], batch["orig_size"].to(device))
+            results = postprocess(out["pred_logits"], out["pred_boxes"], batch["orig_size"].to(device),
+                                  clip=self.cfg.model.clip_boxes)
             for image_id, r in zip(batch["image_id"].tolist(), results):
                 if pos < real:
                     dets += coco_detections(image_id, r["boxes"].cpu().numpy(), r["scores"].cpu().numpy(),

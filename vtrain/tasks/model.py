@@ -10,14 +10,22 @@ from torch import nn
 from vtrain import recompute
 from vtrain.config import ModelConfig, RunConfig
 from vtrain.models.checkpointing import apply_spec
-from vtrain.models.dino import DINO
+from vtrain.models.dino import DINO, DinoOptions
 from vtrain.models.metric import MetricModel
+
+
+def dino_options(m: ModelConfig) -> DinoOptions:
+    """The DINO model options of a model config (ModelConfig's fields of the same names)."""
+    return DinoOptions(neck_bias=m.neck_bias, pos_temperature=m.pos_temperature, pos_offset=m.pos_offset,
+                       pos_normalize=m.pos_normalize, mask_invalid_proposals=m.mask_invalid_proposals,
+                       refine_eps=m.refine_eps, box_eps=m.box_eps, clip_boxes=m.clip_boxes)
 
 
 def build_model(task: str, m: ModelConfig, num_classes: int) -> nn.Module:
     """The task's model from its model config, with activation checkpointing applied."""
     if task == "dino":
-        model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries, m.ffn_recompute, m.ffn_chunk)
+        model = DINO(m.preset, num_classes, m.drop_path, m.num_queries, m.dn_queries, m.ffn_recompute, m.ffn_chunk,
+                     options=dino_options(m))
     else:
         # --head-parallel sharded: the head lives outside the model (engine/head_shard.py)
         classes = 0 if m.head_parallel == "sharded" else num_classes

@@ -34,6 +34,9 @@ from vtrain.config import build_config
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import rundir
 from vtrain.errors import VtrainError
+from vtrain.models.dino.adapters.detrex import from_detrex
+from vtrain.models.dino.adapters.idea import from_idea
+from vtrain.models.dino.adapters.mmdet import from_mmdet
 from vtrain.models.formats import CONTAINERS, FORMATS, Converted, detect, unwrap
 from vtrain.models.metric_adapters.arcface import from_arcface_vit
 from vtrain.safeio import load_published
@@ -54,6 +57,9 @@ class Source:
 # `--from` names (each also a key of models/formats.FORMATS, which recognises its files)
 SOURCES: dict[str, Source] = {
     "arcface-vit": Source(from_arcface_vit, "vit-t-af", "metric"),
+    "idea-dino": Source(from_idea, "swin-l", "dino"),
+    "detrex-dino": Source(from_detrex, "swin-l", "dino"),
+    "mmdet-dino": Source(from_mmdet, "swin-l", "dino"),
 }
 
 STEP = 0  # the converted weights are checkpoint step_0 of the new run directory
@@ -162,11 +168,13 @@ def not_converted(out: Path) -> str | None:
     """Why `out` is not exactly a directory `vtrain convert` wrote (None when it is): its marker records the
     conversion, and it holds nothing but the marker, config.yaml and the verified checkpoint step_0."""
     try:
+        if (out / rundir.MARKER).stat().st_size > 2**20:  # vtrain's marker is a few hundred bytes
+            return f"{rundir.MARKER} is not vtrain's"
         marker = json.loads((out / rundir.MARKER).read_text())
         if not (isinstance(marker, dict) and marker.get("format") == rundir.MARKER_FORMAT
                 and isinstance(marker.get("converted_from"), dict)):
             return f"its {rundir.MARKER} records no conversion"
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError):  # absent, unreadable, not JSON
         return f"no vtrain run marker {rundir.MARKER}"
     step = ckpt.final_path(out, STEP)
     problem = ckpt.verify(step) if step.is_dir() and not step.is_symlink() else f"no {step.relative_to(out)}"
@@ -196,7 +204,12 @@ def write(out: Path, replace: bool, cfg, tensors: dict[str, torch.Tensor], categ
                 os.rename(out, old)
             elif out.is_dir():  # an empty directory the user made for it
                 out.rmdir()
-            os.rename(stage, out)
+            try:
+                os.rename(stage, out)
+            except BaseException:
+                if replace and not os.path.lexists(out):  # the earlier conversion back in place
+                    os.rename(old, out)
+                raise
     finally:
         if stage.exists():
             guarded.rmtree(out.parent, stage)

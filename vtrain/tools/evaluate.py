@@ -135,6 +135,8 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     task = build_task(cfg)
     if cfg.task == "dino":
         task.set_test_sizes(*chosen_test_sizes(image_size, max_size, cfg.model.image_size, cfg.data.max_size))
+        if loaded.categories is not None:
+            task.check_eval_categories(loaded.categories, f"the checkpoint's ({loaded.path})")
     model = loaded.model
     metrics = task.evaluate(lambda **inputs: model(**inputs), loaded.device, save_predictions=save_predictions)
     if metrics is None:

@@ -228,7 +228,8 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
     with torch.no_grad():
         for batch in _batches(loader, _progress(len(found), "predict")):
             res = model(images=batch["images"].to(device), masks=batch["masks"].to(device))
-            results = postprocess(res["pred_logits"], res["pred_boxes"], batch["orig_size"].to(device))
+            results = postprocess(res["pred_logits"], res["pred_boxes"], batch["orig_size"].to(device),
+                                  clip=loaded.cfg.model.clip_boxes)
             for i, original, r in zip(batch["index"].tolist(), batch["original"], results):
                 keep = r["scores"] >= score_threshold
                 boxes, scores, labels = (r[k][keep].cpu() for k in ("boxes", "scores", "labels"))

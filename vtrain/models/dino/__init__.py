@@ -1,5 +1,5 @@
 """DINO detection model (DETR with improved denoising anchor boxes): our own code on timm, torchvision, scipy."""
 
-from vtrain.models.dino.detector import DINO, count_parameters, postprocess
+from vtrain.models.dino.detector import DINO, DinoOptions, count_parameters, postprocess
 
-__all__ = ["DINO", "count_parameters", "postprocess"]
+__all__ = ["DINO", "DinoOptions", "count_parameters", "postprocess"]

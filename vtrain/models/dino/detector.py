@@ -10,6 +10,7 @@ gather parameters in their hooks).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import timm
 from timm.models.swin_transformer import SwinTransformer
@@ -38,9 +39,14 @@ class Backbone(nn.Module):
         rate = p.drop_path if drop_path is None else drop_path
         if rate:
             kwargs["drop_path_rate"] = rate
+        if p.timm_name.startswith("swin"):
+            # the detection Swin: every odd block of every stage shifts, also where one window covers the map
+            # (docs/detection.md "The detection Swin"); timm's default turns the shift off there
+            kwargs.setdefault("always_partition", True)
         self.body = timm.create_model(p.timm_name, pretrained=False, num_classes=0, **kwargs)
-        # Swin: no per-image/window/head N x N tensors at detection sizes (swin_attention.py)
-        use_shared_bias_attention(self.body)
+        # Swin: pad before the shift as the detection codebases do, and no per-image/window/head N x N tensors at
+        # detection sizes (swin_attention.py)
+        use_shared_bias_attention(self.body, detection=True)
         # Swin read out stage by stage, one kept copy of each taken stage output (swin_lean.py)
         self.swin = isinstance(self.body, SwinTransformer) and p.out_norm
         if self.swin:
@@ -66,21 +72,39 @@ class Backbone(nn.Module):
         return feats
 
 
+@dataclass(frozen=True)
+class DinoOptions:
+    """Choices on which the published DINO codebases differ from each other and from vtrain's recipe; the defaults
+    are vtrain's. ModelConfig's fields of the same names set them (their docstrings say which codebase does what;
+    docs/detection.md "Model options")."""
+
+    neck_bias: bool = False
+    pos_temperature: float = 20.0
+    pos_offset: float = 0.0
+    pos_normalize: bool = True
+    mask_invalid_proposals: bool = True
+    refine_eps: float = 1e-3
+    box_eps: float = 1e-3
+    clip_boxes: bool = False
+
+
 class ChannelMapper(nn.Module):
     """1x1 conv + GroupNorm(32) per backbone level to `dim`, plus 3x3 stride-2 conv + GN extra levels, the first
     on the last backbone map (MMD ChannelMapper, docs/dino.md §1.2)."""
 
-    def __init__(self, in_channels: list[int], dim: int, levels: int) -> None:
+    def __init__(self, in_channels: list[int], dim: int, levels: int, bias: bool = False) -> None:
         super().__init__()
         groups = min(32, dim)
-        self.lateral = nn.ModuleList(nn.Sequential(nn.Conv2d(c, dim, 1, bias=False), nn.GroupNorm(groups, dim))
+        self.lateral = nn.ModuleList(nn.Sequential(nn.Conv2d(c, dim, 1, bias=bias), nn.GroupNorm(groups, dim))
                                      for c in in_channels)
         extra_in = [in_channels[-1]] + [dim] * (levels - len(in_channels) - 1)
-        self.extra = nn.ModuleList(nn.Sequential(nn.Conv2d(c, dim, 3, 2, 1, bias=False), nn.GroupNorm(groups, dim))
+        self.extra = nn.ModuleList(nn.Sequential(nn.Conv2d(c, dim, 3, 2, 1, bias=bias), nn.GroupNorm(groups, dim))
                                    for c in extra_in[: levels - len(in_channels)])
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
 
     def forward(self, feats: list[torch.Tensor]) -> list[torch.Tensor]:
         # conv -> GroupNorm; the GN's fp32 copy of the 16-bit conv output is made again in backward (lean.py)
@@ -95,21 +119,23 @@ class ChannelMapper(nn.Module):
 class DINO(nn.Module):
     def __init__(self, preset: str | DinoPreset, num_classes: int, drop_path: float | None = None,
                  num_queries: int | None = None, dn_queries: int | None = None, ffn_recompute: bool = True,
-                 ffn_chunk: int = 0) -> None:
+                 ffn_chunk: int = 0, options: DinoOptions | None = None) -> None:
         super().__init__()
         p = DINO_PRESETS[preset]() if isinstance(preset, str) else preset
         self.preset = p
+        self.options = o = options or DinoOptions()
         self.num_classes = num_classes
         self.num_queries = num_queries or p.queries
         self.dn_queries = p.dn_queries if dn_queries is None else dn_queries
         self.levels, d = p.levels, p.dim
         self.backbone = Backbone(p, drop_path)
-        self.neck = ChannelMapper(self.backbone.channels, d, p.levels)
+        self.neck = ChannelMapper(self.backbone.channels, d, p.levels, bias=o.neck_bias)
         self.level_embed = nn.Parameter(torch.empty(p.levels, d))
         self.encoder = Encoder(p.enc_layers, d, p.ffn, p.levels, p.heads, p.points)
         for layer in self.encoder.layers:  # ModelConfig.ffn_recompute/ffn_chunk: the encoder FFN's hidden layer
             layer.ffn.recompute_hidden, layer.ffn.chunk = ffn_recompute, ffn_chunk
         self.decoder = Decoder(p.dec_layers, d, p.ffn, p.levels, p.heads, p.points)
+        self.decoder.refine_eps = o.refine_eps
         # two-stage: proposals from the encoder memory
         self.memory_proj = nn.Linear(d, d)
         self.memory_norm = nn.LayerNorm(d)
@@ -158,7 +184,9 @@ class DINO(nn.Module):
             srcs.append(f.flatten(2).transpose(1, 2))
             masks.append(m.flatten(1))
         # positions are made by each encoder layer (transformer.LevelPositions), not kept
-        pos = LevelPositions(level_masks, self.level_embed, feats[0].dtype)
+        o = self.options
+        pos = LevelPositions(level_masks, self.level_embed, feats[0].dtype,
+                             (o.pos_temperature, o.pos_offset, o.pos_normalize))
         return (torch.cat(srcs, 1), torch.cat(masks, 1), pos, shapes, torch.stack(ratios, 1).clamp(min=1e-3))
 
     @staticmethod
@@ -208,7 +236,9 @@ class DINO(nn.Module):
         anchors, valid = self._proposals(memory, mask, shapes)
         k = min(self.num_queries, memory.shape[1])
         with torch.no_grad():
-            score = self._proposal_logits(memory, valid).float().max(-1)[0].masked_fill(~valid, float("-inf"))
+            score = self._proposal_logits(memory, valid).float().max(-1)[0]
+            if self.options.mask_invalid_proposals:
+                score = score.masked_fill(~valid, float("-inf"))
         topk = score.topk(k, dim=1)[1]
         rows = topk[..., None]
         chosen = memory.gather(1, rows.expand(-1, -1, memory.shape[-1]))
@@ -233,7 +263,8 @@ class DINO(nn.Module):
         logits, coords = [], []
         for i, (h, r) in enumerate(zip(hidden, refs)):
             logits.append(self.cls_heads[i](h).float())
-            coords.append((self.reg_heads[i](h).float() + inverse_sigmoid(r.float())).sigmoid())
+            delta = self.reg_heads[i](h).float()
+            coords.append((delta + inverse_sigmoid(r.float(), self.options.box_eps)).sigmoid())
         n_dn = dn.num_queries if dn is not None else 0
         out = {"logits": [x[:, n_dn:] for x in logits], "boxes": [x[:, n_dn:] for x in coords],
                "enc_logits": enc_logits_k.float(), "enc_boxes": enc_coord_k.sigmoid()}
@@ -252,9 +283,10 @@ class DINO(nn.Module):
 
 @torch.no_grad()
 def postprocess(pred_logits: torch.Tensor, pred_boxes: torch.Tensor, orig_sizes: torch.Tensor,
-                top_k: int = 300) -> list[dict[str, torch.Tensor]]:
+                top_k: int = 300, clip: bool = False) -> list[dict[str, torch.Tensor]]:
     """Top-k (query, class) pairs by sigmoid score per image (test_cfg.max_per_img=300, docs/dino.md §1.1); boxes
-    as xyxy in original image pixels (orig_sizes: (B, 2) as (h, w))."""
+    as xyxy in original image pixels (orig_sizes: (B, 2) as (h, w)), clipped to the image if `clip`
+    (DinoOptions.clip_boxes)."""
     b, q, c = pred_logits.shape
     prob = pred_logits.float().sigmoid().view(b, -1)
     k = min(top_k, q * c)
@@ -262,7 +294,10 @@ def postprocess(pred_logits: torch.Tensor, pred_boxes: torch.Tensor, orig_sizes:
     labels = idx % c
     boxes = box_convert(pred_boxes.float(), "cxcywh", "xyxy").gather(1, (idx // c)[..., None].expand(-1, -1, 4))
     h, w = orig_sizes.float().unbind(1)
-    boxes = boxes * torch.stack([w, h, w, h], 1)[:, None]
+    scale = torch.stack([w, h, w, h], 1)[:, None]
+    boxes = boxes * scale
+    if clip:
+        boxes = torch.minimum(boxes.clamp(min=0), scale)
     return [{"scores": s, "labels": lab, "boxes": bx} for s, lab, bx in zip(scores, labels, boxes)]
 
 

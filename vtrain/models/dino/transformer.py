@@ -26,15 +26,17 @@ def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
 
 
 def sine_position_2d(mask: torch.Tensor, num_feats: int, temperature: float = 20.0,
-                     offset: float = 0.0) -> torch.Tensor:
-    """(B, H, W) padding mask -> (B, 2*num_feats, H, W) normalised sine/cosine positions over the valid region
-    (MMD base config: normalize=True, offset 0.0, temperature 20; docs/dino.md §1.1)."""
+                     offset: float = 0.0, normalize: bool = True) -> torch.Tensor:
+    """(B, H, W) padding mask -> (B, 2*num_feats, H, W) sine/cosine positions over the valid region, normalised to
+    it and scaled by 2*pi unless `normalize` is False (MMD base config: normalize=True, offset 0.0, temperature 20;
+    detrex: offset -0.5, temperature 10000; docs/dino.md §1.1, docs/detection.md "Model options")."""
     not_mask = (~mask).float()
     y = not_mask.cumsum(1)
     x = not_mask.cumsum(2)
-    eps, scale = 1e-6, 2 * math.pi
-    y = (y + offset) / (y[:, -1:, :] + eps) * scale
-    x = (x + offset) / (x[:, :, -1:] + eps) * scale
+    if normalize:
+        eps, scale = 1e-6, 2 * math.pi
+        y = (y + offset) / (y[:, -1:, :] + eps) * scale
+        x = (x + offset) / (x[:, :, -1:] + eps) * scale
     dim_t = torch.arange(num_feats, dtype=torch.float32, device=mask.device)
     dim_t = temperature ** (2 * (dim_t // 2) / num_feats)
     px = x[..., None] / dim_t
@@ -64,12 +66,14 @@ class LevelPositions:
     now reaches the embedding on its own: the same terms, summed over layers and tokens in another order (fp32
     reordering only, docs/recompute.md §3)."""
 
-    def __init__(self, masks: list[torch.Tensor], level_embed: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, masks: list[torch.Tensor], level_embed: torch.Tensor, dtype: torch.dtype,
+                 sine: tuple[float, float, bool] = (20.0, 0.0, True)) -> None:
         self.masks, self.level_embed, self.dtype = masks, level_embed, dtype
+        self.sine = sine  # (temperature, offset, normalize) of sine_position_2d
 
     def __call__(self) -> torch.Tensor:
         feats = self.level_embed.shape[1] // 2
-        return torch.cat([sine_position_2d(m, feats).to(self.dtype).flatten(2).transpose(1, 2)
+        return torch.cat([sine_position_2d(m, feats, *self.sine).to(self.dtype).flatten(2).transpose(1, 2)
                           + self.level_embed[lvl].to(self.dtype) for lvl, m in enumerate(self.masks)], 1)
 
 
@@ -205,6 +209,7 @@ class Decoder(_Layers):
         self.ref_point_head = MLP(2 * dim, dim, dim, 2)
         self.norm = nn.LayerNorm(dim)
         self.dim = dim
+        self.refine_eps = 1e-3  # inverse_sigmoid's eps in the refinement (DinoOptions.refine_eps)
 
     def forward(self, query, reference, memory, spatial_shapes, valid_ratios, memory_mask, attn_mask,
                 reg_branches: nn.ModuleList) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -217,7 +222,8 @@ class Decoder(_Layers):
             ref_input = reference.detach()[:, :, None] * ratios
             query_pos = self.ref_point_head(sine_position_boxes(ref_input[:, :, 0], self.dim // 2).to(query.dtype))
             query = layer(query, query_pos, ref_input, memory, spatial_shapes, memory_mask, attn_mask)
-            new_ref = (reg_branches[i](query).float() + inverse_sigmoid(reference.detach().float())).sigmoid()
+            delta = reg_branches[i](query).float()
+            new_ref = (delta + inverse_sigmoid(reference.detach().float(), self.refine_eps)).sigmoid()
             hidden.append(self.norm(query))
             refs.append(new_ref)
             reference = new_ref.detach()

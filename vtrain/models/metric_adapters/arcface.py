@@ -1,4 +1,4 @@
-"""arcface_torch ViT -> vtrain's `*-af` presets (`vtrain convert --from arcface-vit`, docs/convert.md §3).
+"""arcface_torch ViT -> vtrain's `*-af` presets (`vtrain convert --from arcface-vit`, docs/convert.md §5).
 
 arcface_torch (insightface recognition/arcface_torch/backbones/vit.py) names its transformer as timm does (patch
 embedding, position embedding, blocks with norm1/attn.qkv/attn.proj/norm2/mlp.fc1/mlp.fc2, final norm), so those

@@ -1,0 +1,108 @@
+"""IDEA-Research/detrex DINO (detectron2 `DetectionCheckpointer` files: {'model': state dict, ...}) -> vtrain's DINO.
+
+Key layout of detrex at e244e6c3 (`projects/dino/modeling/dino.py`, `dino_transformer.py`,
+`detrex/modeling/neck/channel_mapper.py`, `detrex/modeling/backbone/swin.py`), mapped per tensor (docs/convert.md
+"detrex"):
+- `backbone.*`: the Swin detection backbone, IDEA's layout without the Joiner's `.0` (adapters.swin_name);
+- `neck.convs.{i}.{conv,norm}` (conv with bias) and `neck.extra_convs.{j}.{conv,norm}`;
+- transformer layers as detrex's `BaseTransformerLayer` lists them: encoder `attentions.0`, `norms.0` (after
+  attention), `ffns.0.layers.{0.0,1}`, `norms.1`; decoder `attentions.0.attn` (self-attention), `norms.0`,
+  `attentions.1` (cross-attention), `norms.1`, `ffns.0`, `norms.2`;
+- heads `class_embed.{i}` / `bbox_embed.{i}`, one per decoder layer plus the encoder proposals' (the last), saved
+  again as `transformer.decoder.class_embed.{i}` / `bbox_embed.{i}` (the same tensors: checked, read once);
+- classes: 80 contiguous rows in COCO category-id order (detectron2's thing classes), vtrain's order too;
+  `label_enc` has those 80 rows and vtrain adds its zero padding row.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from vtrain.models.dino.adapters import Layout, coco_categories, dino_preset, swin_name, untie
+from vtrain.models.formats import Converted
+
+OPTIONS: dict[str, Any] = {"neck_bias": True, "pos_temperature": 10000.0, "pos_offset": -0.5, "pos_normalize": True,
+                           "mask_invalid_proposals": False, "refine_eps": 1e-3, "box_eps": 1e-3,
+                           "clip_boxes": True}
+
+_ENC = {"attentions.0.": "attn.", "norms.0.": "norm.", "ffns.0.layers.0.0.": "ffn.fc1.", "ffns.0.layers.1.": "ffn.fc2.",
+        "norms.1.": "ffn.norm."}
+_DEC = {"attentions.0.attn.": "self_attn.", "norms.0.": "norm1.", "attentions.1.": "cross_attn.", "norms.1.": "norm2.",
+        "ffns.0.layers.0.0.": "ffn.fc1.", "ffns.0.layers.1.": "ffn.fc2.", "norms.2.": "ffn.norm."}
+_TOP = {"transformer.level_embeds": "level_embed", "transformer.tgt_embed.weight": "query_embed.weight",
+        "transformer.enc_output.": "memory_proj.", "transformer.enc_output_norm.": "memory_norm.",
+        "transformer.decoder.norm.": "decoder.norm.", "transformer.decoder.ref_point_head.": "decoder.ref_point_head."}
+_BUFFERS = ("relative_position_index", "attn_mask")
+
+
+def layout(sd: dict[str, torch.Tensor]) -> Layout:
+    outs = sorted(int(m.group(1)) for k in sd if (m := re.fullmatch(r"backbone\.norm(\d+)\.weight", k)))
+    heads = sum(1 for k in sd if re.fullmatch(r"class_embed\.\d+\.weight", k))
+    return Layout(tuple(outs), heads - 1)
+
+
+def _sub(rest: str, table: dict[str, str]) -> str | None:
+    for a, b in table.items():
+        if rest.startswith(a):
+            return b + rest[len(a):]
+    return None
+
+
+def name(key: str, lay: Layout) -> str | None:
+    """vtrain's name for a detrex key (None: unknown; tied copies and buffers: `from_detrex`)."""
+    if key.startswith("backbone."):
+        return swin_name(key[len("backbone."):], lay)
+    for a, b in _TOP.items():
+        if key == a or (a.endswith(".") and key.startswith(a)):
+            return b + key[len(a):]
+    m = re.fullmatch(r"transformer\.(encoder|decoder)\.layers\.(\d+)\.(.+)", key)
+    if m:
+        new = _sub(m.group(3), _ENC if m.group(1) == "encoder" else _DEC)
+        return None if new is None else f"{m.group(1)}.layers.{m.group(2)}.{new}"
+    m = re.fullmatch(r"neck\.(convs|extra_convs)\.(\d+)\.(conv|norm)\.(.+)", key)
+    if m:
+        where = "lateral" if m.group(1) == "convs" else "extra"
+        return f"neck.{where}.{m.group(2)}.{0 if m.group(3) == 'conv' else 1}.{m.group(4)}"
+    m = re.fullmatch(r"(class_embed|bbox_embed)\.(\d+)\.(.+)", key)
+    if m:
+        return f"{'cls_heads' if m.group(1) == 'class_embed' else 'reg_heads'}.{m.group(2)}.{m.group(3)}"
+    return None
+
+
+def from_detrex(sd: dict[str, torch.Tensor], whole: Any = None, categories: str = "coco") -> Converted:
+    """vtrain's DINO tensors from a detrex DINO state dict (80 COCO classes in id order; `categories` must be
+    `coco`: the file's rows are already those)."""
+    lay = layout(sd)
+    cats = coco_categories()
+    rows = sd["class_embed.0.weight"].shape[0] if "class_embed.0.weight" in sd else 0
+    out: dict[str, torch.Tensor] = {}
+    read: set[str] = set()
+    unused: dict[str, str] = {}
+    for key, t in sd.items():
+        if key.endswith(_BUFFERS):
+            unused[key] = "an index buffer vtrain computes"
+            continue
+        m = re.fullmatch(r"transformer\.decoder\.(class_embed|bbox_embed)\.(\d+)\.(.+)", key)
+        if m:
+            untie(sd, key, f"{m.group(1)}.{m.group(2)}.{m.group(3)}")
+            unused[key] = f"a tied copy of {m.group(1)}.{m.group(2)}.{m.group(3)}"
+            continue
+        if key == "label_enc.weight":
+            out["label_embed.weight"] = torch.cat([t, t.new_zeros(1, t.shape[1])])
+        else:
+            new = name(key, lay)
+            if new is None:
+                continue
+            out[new] = t.clone()
+        read.add(key)
+    model = {**OPTIONS, "num_queries": sd["transformer.tgt_embed.weight"].shape[0]}
+    preset = dino_preset(sd["backbone.patch_embed.proj.weight"].shape[0] if "backbone.patch_embed.proj.weight" in sd
+                         else 0, lay)
+    if preset:
+        model["preset"] = preset
+    return Converted(out, read, unused, model, rows, cats,
+                     [f"detrex DINO: {len(read)} tensors read, {len(unused)} left out (tied head copies, index "
+                      f"buffers); model options {OPTIONS}"])

@@ -1,0 +1,119 @@
+"""IDEA-Research/DINO (`main.py` checkpoints: {'model': state dict, 'args': argparse.Namespace, ...}) -> vtrain's DINO.
+
+Key layout of IDEA DINO at faa8520f (`models/dino/dino.py`, `deformable_transformer.py`, `swin_transformer.py`,
+`config/DINO/DINO_5scale.py`), mapped per tensor (docs/convert.md "IDEA DINO"):
+- `backbone.0.*`: the Swin detection backbone; its stage i ends with the downsampling that timm puts at the start
+  of stage i+1, and `norm{i}` is the LayerNorm on output i (vtrain's `backbone.out_norms`);
+  `relative_position_index` is a buffer vtrain computes.
+- `input_proj.{i}.{0,1}`: conv (with bias) + GroupNorm per level; the first levels take backbone outputs, the
+  rest are the stride-2 extra levels.
+- decoder layers apply `norm2` after self-attention and `norm1` after cross-attention.
+- heads: `class_embed.{i}` / `bbox_embed.{i}` per decoder layer, tied in the file with
+  `transformer.decoder.class_embed.{i}` / `bbox_embed.{i}` (dec_pred_*_embed_share: checked equal, read once);
+  `transformer.enc_out_*` are the encoder-proposal heads (vtrain's last head).
+- classes: 91 rows indexed by COCO category id (`num_classes=91`), `label_enc` 92 rows (dn_labelbook_size + 1):
+  the rows of the dataset's category ids are taken, in label order.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from vtrain.models.dino.adapters import Layout, categories_for, class_rows, dino_preset, swin_name, untie
+from vtrain.models.formats import Converted
+
+OPTIONS: dict[str, Any] = {"neck_bias": True, "pos_temperature": 20.0, "pos_offset": 0.0, "pos_normalize": True,
+                           "mask_invalid_proposals": False, "refine_eps": 1e-3, "box_eps": 1e-3,
+                           "clip_boxes": False}
+
+_ENC = {"self_attn.": "attn.", "norm1.": "norm.", "linear1.": "ffn.fc1.", "linear2.": "ffn.fc2.", "norm2.": "ffn.norm."}
+_DEC = {"self_attn.": "self_attn.", "cross_attn.": "cross_attn.", "norm2.": "norm1.", "norm1.": "norm2.",
+        "linear1.": "ffn.fc1.", "linear2.": "ffn.fc2.", "norm3.": "ffn.norm."}
+_TOP = {"transformer.level_embed": "level_embed", "transformer.tgt_embed.weight": "query_embed.weight",
+        "transformer.enc_output.": "memory_proj.", "transformer.enc_output_norm.": "memory_norm.",
+        "transformer.decoder.norm.": "decoder.norm.", "transformer.decoder.ref_point_head.": "decoder.ref_point_head."}
+_BUFFERS = ("relative_position_index", "attn_mask")
+
+
+def layout(sd: dict[str, torch.Tensor]) -> Layout:
+    """The structure the file's names show: backbone outputs (`backbone.0.norm{i}`), decoder layers."""
+    outs = sorted(int(m.group(1)) for k in sd if (m := re.fullmatch(r"backbone\.0\.norm(\d+)\.weight", k)))
+    layers = sum(1 for k in sd if re.fullmatch(r"class_embed\.\d+\.weight", k))
+    return Layout(tuple(outs), layers)
+
+
+def _sub(rest: str, table: dict[str, str]) -> str | None:
+    for a, b in table.items():
+        if rest.startswith(a):
+            return b + rest[len(a):]
+    return None
+
+
+def name(key: str, lay: Layout) -> str | None:
+    """vtrain's name for an IDEA key copied as it is (class rows and tied copies: `from_idea`); None: unknown."""
+    if key.startswith("backbone.0."):
+        return swin_name(key[len("backbone.0."):], lay)
+    for a, b in _TOP.items():
+        if key == a or (a.endswith(".") and key.startswith(a)):
+            return b + key[len(a):]
+    m = re.fullmatch(r"transformer\.(encoder|decoder)\.layers\.(\d+)\.(.+)", key)
+    if m:
+        new = _sub(m.group(3), _ENC if m.group(1) == "encoder" else _DEC)
+        return None if new is None else f"{m.group(1)}.layers.{m.group(2)}.{new}"
+    m = re.fullmatch(r"input_proj\.(\d+)\.([01])\.(.+)", key)
+    if m:
+        i, nb = int(m.group(1)), len(lay.out_indices)
+        where = f"lateral.{i}" if i < nb else f"extra.{i - nb}"
+        return f"neck.{where}.{m.group(2)}.{m.group(3)}"
+    m = re.fullmatch(r"bbox_embed\.(\d+)\.(.+)", key)
+    if m:
+        return f"reg_heads.{m.group(1)}.{m.group(2)}"
+    if key.startswith("transformer.enc_out_bbox_embed."):
+        return f"reg_heads.{lay.dec_layers}." + key[len("transformer.enc_out_bbox_embed."):]
+    return None
+
+
+def from_idea(sd: dict[str, torch.Tensor], whole: Any = None, categories: str = "coco") -> Converted:
+    """vtrain's DINO tensors from an IDEA DINO state dict. `categories`: `coco` (the 80 COCO categories, class
+    rows selected by id) or `source` (every row, ids 0..90 as IDEA indexes them)."""
+    lay = layout(sd)
+    cats = categories_for(categories, sd["class_embed.0.weight"].shape[0] if "class_embed.0.weight" in sd else 0)
+    ids = [c["id"] for c in cats]
+    out: dict[str, torch.Tensor] = {}
+    read: set[str] = set()
+    unused: dict[str, str] = {}
+    for key, t in sd.items():
+        if key.endswith(_BUFFERS):
+            unused[key] = "an index buffer vtrain computes"
+            continue
+        m = re.fullmatch(r"transformer\.decoder\.(class_embed|bbox_embed)\.(\d+)\.(.+)", key)
+        if m:  # the decoder's reference to the detector's per-layer heads (shared): the same tensors again
+            untie(sd, key, f"{m.group(1)}.{m.group(2)}.{m.group(3)}")
+            unused[key] = "a tied copy of " + f"{m.group(1)}.{m.group(2)}.{m.group(3)}"
+            continue
+        m = re.fullmatch(r"(class_embed\.(\d+)|transformer\.enc_out_class_embed)\.(weight|bias)", key)
+        if m:
+            layer = m.group(2) if m.group(2) is not None else lay.dec_layers
+            out[f"cls_heads.{layer}.{m.group(3)}"] = class_rows(t, ids, key)
+        elif key == "label_enc.weight":
+            out["label_embed.weight"] = class_rows(t, ids, key, extra_rows=1)
+        else:
+            new = name(key, lay)
+            if new is None:
+                continue  # convert refuses the file, naming it
+            out[new] = t.clone()
+        read.add(key)
+    args = whole.get("args") if isinstance(whole, dict) else None
+    model = {**OPTIONS, "num_queries": sd["transformer.tgt_embed.weight"].shape[0]}
+    if getattr(args, "dn_number", None) is not None:
+        model["dn_queries"] = int(args.dn_number)
+    preset = dino_preset(sd["backbone.0.patch_embed.proj.weight"].shape[0] if "backbone.0.patch_embed.proj.weight"
+                         in sd else 0, lay)
+    if preset:
+        model["preset"] = preset
+    return Converted(out, read, unused, model, len(cats), cats,
+                     [f"IDEA DINO: {len(read)} tensors read, {len(unused)} left out (tied head copies, index "
+                      f"buffers); classes: {len(cats)} ({categories}); model options {OPTIONS}"])

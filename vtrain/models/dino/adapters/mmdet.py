@@ -1,0 +1,133 @@
+"""open-mmlab/mmdetection DINO (mmengine checkpoints: {'meta': ..., 'state_dict': ...}) -> vtrain's DINO.
+
+Key layout of mmdetection 3.3.0 (`mmdet/models/detectors/dino.py`, `deformable_detr.py`,
+`models/layers/transformer/dino_layers.py`, `deformable_detr_layers.py`, `models/backbones/swin.py`,
+`models/necks/channel_mapper.py`, `models/dense_heads/dino_head.py`), mapped per tensor (docs/convert.md "mmdet"):
+- `backbone.*`: mmdet's Swin: `patch_embed.projection`, `stages.{i}.blocks.{j}.attn.w_msa.*`,
+  `ffn.layers.{0.0,1}` (fc1, fc2), `stages.{i}.downsample` (timm's `layers.{i+1}.downsample`), `norm{i}`. Its
+  PatchMerging gathers each 2x2 patch with `nn.Unfold`, channel-major with the offsets (0,0), (0,1), (1,0), (1,1);
+  the Swin/timm order is offset-major, (0,0), (1,0), (0,1), (1,1): the downsample `reduction.weight` columns and
+  `norm` entries are put back in that order (the inverse of mmdet's own `correct_unfold_reduction_order` /
+  `correct_unfold_norm_order` in `swin2mmdet`).
+- `neck.convs.{i}.{conv,gn}` (no conv bias) and `neck.extra_convs.{j}.{conv,gn}`;
+- encoder layers `self_attn`, `norms.0`, `ffn.layers.{0.0,1}`, `norms.1`; decoder layers `self_attn.attn`,
+  `norms.0`, `cross_attn`, `norms.1`, `ffn`, `norms.2`;
+- `bbox_head.cls_branches.{i}` / `reg_branches.{i}.{0,2,4}`: one per decoder layer plus the encoder proposals'
+  (the last); `query_embedding`, `memory_trans_fc`, `memory_trans_norm`, `dn_query_generator.label_embedding`;
+- classes: 80 contiguous rows in COCO category-id order (`CocoDataset.METAINFO`), vtrain's order too.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from vtrain.models.dino.adapters import Layout, coco_categories, dino_preset
+from vtrain.models.formats import Converted
+
+OPTIONS: dict[str, Any] = {"neck_bias": False, "pos_temperature": 20.0, "pos_offset": 0.0, "pos_normalize": True,
+                           "mask_invalid_proposals": False, "refine_eps": 1e-3, "box_eps": 1e-5,
+                           "clip_boxes": True}
+
+_SWIN = {"patch_embed.projection.": "patch_embed.proj.", "attn.w_msa.": "attn.", "ffn.layers.0.0.": "mlp.fc1.",
+         "ffn.layers.1.": "mlp.fc2."}
+_ENC = {"self_attn.": "attn.", "norms.0.": "norm.", "ffn.layers.0.0.": "ffn.fc1.", "ffn.layers.1.": "ffn.fc2.",
+        "norms.1.": "ffn.norm."}
+_DEC = {"self_attn.attn.": "self_attn.", "norms.0.": "norm1.", "cross_attn.": "cross_attn.", "norms.1.": "norm2.",
+        "ffn.layers.0.0.": "ffn.fc1.", "ffn.layers.1.": "ffn.fc2.", "norms.2.": "ffn.norm."}
+_TOP = {"level_embed": "level_embed", "query_embedding.weight": "query_embed.weight",
+        "memory_trans_fc.": "memory_proj.", "memory_trans_norm.": "memory_norm.", "decoder.norm.": "decoder.norm.",
+        "decoder.ref_point_head.": "decoder.ref_point_head."}
+_BUFFERS = ("relative_position_index", "attn_mask")
+
+
+def layout(sd: dict[str, torch.Tensor]) -> Layout:
+    outs = sorted(int(m.group(1)) for k in sd if (m := re.fullmatch(r"backbone\.norm(\d+)\.weight", k)))
+    heads = sum(1 for k in sd if re.fullmatch(r"bbox_head\.cls_branches\.\d+\.weight", k))
+    return Layout(tuple(outs), heads - 1)
+
+
+def unfold_to_swin(t: torch.Tensor) -> torch.Tensor:
+    """A PatchMerging tensor over the 4C merged channels (reduction weight: last dim; norm: the only dim) from
+    mmdet's unfold order (channel-major, offsets (0,0), (0,1), (1,0), (1,1)) to Swin's (offset-major, offsets
+    (0,0), (1,0), (0,1), (1,1))."""
+    lead, c4 = t.shape[:-1], t.shape[-1]
+    x = t.reshape(*lead, c4 // 4, 4).transpose(-1, -2)  # (..., offset in unfold order, C)
+    return x[..., [0, 2, 1, 3], :].reshape(*lead, c4).clone()
+
+
+def _sub(rest: str, table: dict[str, str]) -> str | None:
+    for a, b in table.items():
+        if rest.startswith(a):
+            return b + rest[len(a):]
+    return None
+
+
+def name(key: str, lay: Layout) -> str | None:
+    """vtrain's name for an mmdet key (None: unknown)."""
+    m = re.fullmatch(r"backbone\.stages\.(\d+)\.downsample\.(.+)", key)
+    if m:
+        return f"backbone.body.layers.{int(m.group(1)) + 1}.downsample.{m.group(2)}"
+    m = re.fullmatch(r"backbone\.norm(\d+)\.(.+)", key)
+    if m:
+        return f"backbone.out_norms.{lay.out_indices.index(int(m.group(1)))}.{m.group(2)}"
+    m = re.fullmatch(r"backbone\.stages\.(\d+)\.blocks\.(\d+)\.(.+)", key)
+    if m:
+        rest = _sub(m.group(3), _SWIN) or m.group(3)
+        return f"backbone.body.layers.{m.group(1)}.blocks.{m.group(2)}.{rest}"
+    if key.startswith("backbone.patch_embed."):
+        return "backbone.body." + (_sub(key[len("backbone."):], _SWIN) or key[len("backbone."):])
+    for a, b in _TOP.items():
+        if key == a or (a.endswith(".") and key.startswith(a)):
+            return b + key[len(a):]
+    m = re.fullmatch(r"(encoder|decoder)\.layers\.(\d+)\.(.+)", key)
+    if m:
+        new = _sub(m.group(3), _ENC if m.group(1) == "encoder" else _DEC)
+        return None if new is None else f"{m.group(1)}.layers.{m.group(2)}.{new}"
+    m = re.fullmatch(r"neck\.(convs|extra_convs)\.(\d+)\.(conv|gn)\.(.+)", key)
+    if m:
+        where = "lateral" if m.group(1) == "convs" else "extra"
+        return f"neck.{where}.{m.group(2)}.{0 if m.group(3) == 'conv' else 1}.{m.group(4)}"
+    m = re.fullmatch(r"bbox_head\.cls_branches\.(\d+)\.(.+)", key)
+    if m:
+        return f"cls_heads.{m.group(1)}.{m.group(2)}"
+    m = re.fullmatch(r"bbox_head\.reg_branches\.(\d+)\.([024])\.(.+)", key)
+    if m:
+        return f"reg_heads.{m.group(1)}.layers.{int(m.group(2)) // 2}.{m.group(3)}"
+    return None
+
+
+def from_mmdet(sd: dict[str, torch.Tensor], whole: Any = None, categories: str = "coco",
+               unfold_order: bool = True) -> Converted:
+    """vtrain's DINO tensors from an mmdet DINO state dict (80 COCO classes in id order). `unfold_order=False`
+    copies the downsampling tensors as they are (only to show that their order matters: tests)."""
+    lay = layout(sd)
+    out: dict[str, torch.Tensor] = {}
+    read: set[str] = set()
+    unused: dict[str, str] = {}
+    for key, t in sd.items():
+        if key.endswith(_BUFFERS):
+            unused[key] = "an index buffer vtrain computes"
+            continue
+        if key == "dn_query_generator.label_embedding.weight":
+            out["label_embed.weight"] = torch.cat([t, t.new_zeros(1, t.shape[1])])
+            read.add(key)
+            continue
+        new = name(key, lay)
+        if new is None:
+            continue  # convert refuses the file, naming it
+        merging = re.fullmatch(r"backbone\.stages\.\d+\.downsample\.(reduction\.weight|norm\.weight|norm\.bias)", key)
+        out[new] = unfold_to_swin(t) if merging and unfold_order else t.clone()
+        read.add(key)
+    rows = sd["bbox_head.cls_branches.0.weight"].shape[0] if "bbox_head.cls_branches.0.weight" in sd else 0
+    model = {**OPTIONS, "num_queries": sd["query_embedding.weight"].shape[0]}
+    embed = sd["backbone.patch_embed.projection.weight"].shape[0] if "backbone.patch_embed.projection.weight" in sd \
+        else 0
+    preset = dino_preset(embed, lay)
+    if preset:
+        model["preset"] = preset
+    return Converted(out, read, unused, model, rows, coco_categories(),
+                     [f"mmdetection DINO: {len(read)} tensors read, {len(unused)} index buffers left out; "
+                      f"PatchMerging channels put back in Swin order; model options {OPTIONS}"])
