@@ -6,7 +6,7 @@ STAMP := $(VENV)/.vtrain-installed
 # The torch/torchvision pair this project is built and tested with (the CPU build machines serve exactly this pair).
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout 900 tests
+
+# The unit lane: everything but whole CLI runs and multi-process runs (docs/testing.md).
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout 900 -m "not slow and not integration" tests
 
 clean:
 	rm -rf runs .pytest_cache

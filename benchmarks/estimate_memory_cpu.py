@@ -1,5 +1,5 @@
 """`vtrain estimate-memory`'s fake-tensor trace against real CPU runs (the figures of the README's CPU accuracy
-table; tests/test_memory.py asserts the same cases within 10%).
+table; tests/memory/test_memory.py asserts the same cases within 10%).
 
     OMP_NUM_THREADS=1 python benchmarks/estimate_memory_cpu.py
 """

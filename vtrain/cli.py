@@ -1,7 +1,7 @@
 """Command line (Typer only): builds a validated config and calls the core. User mistakes become one line on
 stderr and exit code 2, never a traceback.
 
-Start-up speed: this module imports nothing that imports torch (tests/test_layers.py checks it), so a flag or
+Start-up speed: this module imports nothing that imports torch (tests/core/test_layers.py checks it), so a flag or
 config error is reported in about half a second. Each command imports the heavy modules it needs (engine,
 tools, models) inside its function, after the checks that need none of them."""
 

@@ -209,7 +209,7 @@ SCHEDULER_KEYS = ("base_lrs", "last_epoch", "_step_count", "_is_initial", "_get_
 def scheduler_state(r: Record) -> dict[str, Any]:
     """A LambdaLR state. `load_state_dict` copies every key onto the scheduler object, where a key such as `step`
     or `optimizer` would replace a method or the optimizer, and a value of the wrong type fails at the next step:
-    so exactly LambdaLR's own keys are admitted, each of its own type (tests/test_hostile_fields.py checks that
+    so exactly LambdaLR's own keys are admitted, each of its own type (tests/integration/test_hostile_fields.py checks that
     what vtrain's scheduler writes passes)."""
     for key in r.data:
         if key not in SCHEDULER_KEYS:

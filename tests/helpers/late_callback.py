@@ -1,5 +1,5 @@
-"""A rank whose native thread needs Python while the process ends (tests/test_ranks.py): `python late_callback.py
-RANK PORT vtrain|interpreter`.
+"""A rank whose native thread needs Python while the process ends (tests/integration/test_ranks.py): `python
+late_callback.py RANK PORT vtrain|interpreter`.
 
 Rank 0 starts an all-reduce with a Python callback (which runs on gloo's worker thread once the collective
 completes, and needs the GIL there) and leaves at once; rank 1 joins the collective 1.5 s later. With

@@ -1,6 +1,6 @@
-"""A rank that waits in a collective the other rank never joins (tests/test_ranks.py): `python stuck_rank.py RANK
-PORT`. Rank 0 installs vtrain's signal handling and waits in a gloo barrier; rank 1 joins the group and then only
-sleeps, so rank 0 stays inside native code, where Python runs no signal handler."""
+"""A rank that waits in a collective the other rank never joins (tests/integration/test_ranks.py): `python stuck_rank.py
+RANK PORT`. Rank 0 installs vtrain's signal handling and waits in a gloo barrier; rank 1 joins the group and then
+only sleeps, so rank 0 stays inside native code, where Python runs no signal handler."""
 
 import sys
 import time

@@ -25,7 +25,7 @@ from typing import Any
 from vtrain import guarded
 from vtrain.errors import VtrainError
 
-# the engine's methods that write, patched on the instance for one save (checked by tests/test_ranks.py against the
+# the engine's methods that write, patched on the instance for one save (checked by tests/integration/test_ranks.py against the
 # installed DeepSpeed, so that a rename there fails a test instead of silently leaving a write unguarded)
 RECOVERY_SCRIPTS = "_copy_recovery_script"
 LATEST = "latest"

@@ -8,17 +8,17 @@ most 2 x chunk x hidden elements at a time, inside a checkpointed layer as well 
 Function keeps its input through whatever saved-tensor hooks are active).
 
 Numbers. Each output row and each input-gradient row is computed by the same ops from the same row, so they do
-not depend on the chunking (bitwise on CPU, tests/test_lean.py; a GPU library may pick another kernel for another
+not depend on the chunking (bitwise on CPU, tests/models/test_lean.py; a GPU library may pick another kernel for another
 row count). The weight and bias gradients are sums over all rows: with one chunk they are computed by exactly the
 ops autograd uses for `F.linear` (bitwise today's); with several chunks each chunk's product is accumulated in
 fp32 (exact products of 16-bit inputs, fp32 sums, as a 16-bit GEMM accumulates internally) and rounded once to
 the weight's dtype, so they differ from one long GEMM only by the order of the fp32 additions: within one
-rounding step of the parameter dtype, stated and measured in tests/test_lean.py.
+rounding step of the parameter dtype, stated and measured in tests/models/test_lean.py.
 
 The Function reads fc1's and fc2's weights itself, outside their own forward. FSDP2 shards whole blocks, so they are
 gathered with the block; DeepSpeed ZeRO-3 gathers a partitioned parameter that a forward reads and registers it with
 the module running (its `ZeROOrderedDict`, deepspeed/runtime/zero/parameter_offload.py), which gathers it again for
-backward (tests/test_recompute_dist.py runs ZeRO-3 with every parameter partitioned).
+backward (tests/integration/test_recompute_dist.py runs ZeRO-3 with every parameter partitioned).
 """
 
 from __future__ import annotations

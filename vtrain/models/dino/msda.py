@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vtrain.dist import all_true as _all_true  # module-level name: tests/test_msda.py stands in for the ranks' verdict
+from vtrain.dist import all_true as _all_true  # module-level name: tests/models/test_msda.py stands in for the ranks' verdict
 from vtrain.models.lean import autocast_input, remat, remat_in_checkpoint
 
 IMPLS = ("auto", "triton", "pytorch")

@@ -1,0 +1,62 @@
+"""What the suites on checkpoint content share: the prior metric run's flags and head shard, a COCO detector
+dataset, a snapshot of every input a command must leave alone, and a rewrite of a safetensors file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tests.helpers.cli import tree_hash
+
+METRIC = ["--batch-size", "4", "--num-workers", "0", "--embedding-dim", "16", "--mixed-precision", "no",
+          "--head-parallel", "sharded", "--ema-decay", "0.9"]
+SHARD = "head/classes_000000000-000000004.safetensors"
+
+
+def coco(root: Path) -> list[str]:
+    """Two 128 x 96 images with two boxes each of two classes, as a COCO file: the detector's training data."""
+    from PIL import Image, ImageDraw
+
+    (root / "images").mkdir(parents=True)
+    images, anns = [], []
+    for i in range(2):
+        im = Image.new("RGB", (128, 96), (20, 20, 20))
+        draw = ImageDraw.Draw(im)
+        for j, (x, y) in enumerate(((10 + 8 * i, 12), (70, 40 - 8 * i))):
+            draw.rectangle((x, y, x + 40, y + 30), fill=(220, 60 + 120 * j, 40))
+            anns.append({"id": len(anns) + 1, "image_id": i + 1, "category_id": j + 1, "bbox": [x, y, 40, 30],
+                         "area": 1200, "iscrowd": 0})
+        im.save(root / "images" / f"{i}.jpg")
+        images.append({"id": i + 1, "file_name": f"{i}.jpg", "width": 128, "height": 96})
+    (root / "ann.json").write_text(json.dumps({"images": images, "annotations": anns, "categories": [
+        {"id": 1, "name": "red"}, {"id": 2, "name": "orange"}]}))
+    return ["--task", "dino", "--model", "debug-resnet", "--train-ann", str(root / "ann.json"), "--train-images",
+            str(root / "images"), "--val-ann", str(root / "ann.json"), "--val-images", str(root / "images"),
+            "--image-size", "128", "--batch-size", "2", "--num-workers", "0", "--num-queries",
+            "20", "--dn-queries", "0", "--mixed-precision", "no"]
+
+
+def edit(file: Path, change: Callable[[dict[str, torch.Tensor]], None], metadata: dict | None = None) -> None:
+    """Rewrite a safetensors file with `change` applied to its tensors (its metadata kept, or replaced)."""
+    with safe_open(str(file), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(file))
+    change(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata=metadata or meta)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every input a command must leave alone: each run's checkpoints and every file outside a run directory (a
+    resumed run's own config.yaml and logs are rewritten by every resume, failed or not)."""
+    runs = {p.parent for p in root.rglob("checkpoints")}
+    snap = {str(r / "checkpoints"): tree_hash(r / "checkpoints") for r in runs}
+    for p in root.rglob("*"):
+        if p.is_file() and not any(r in p.parents for r in runs):
+            snap[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return snap
