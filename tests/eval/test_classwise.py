@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vtrain.data.coco import coco_from_dict
+from vtrain.data.coco_check import coco_from_dict
 from vtrain.tasks.dino import DinoTask
 
 # two images; categories: 1 circle (2 boxes), 2 square (1 box), 3 triangle (no box), 4 cross (1 box + 1 crowd)

@@ -98,3 +98,17 @@ def tree_hash(root: Path) -> str:
             elif p.is_file():
                 h.update(b"F" + p.read_bytes())
     return h.hexdigest()
+
+
+def cli_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """`vtrain ARGS` in this process (the real entry point, with its error handling): (exit code, stdout, stderr)."""
+    from vtrain.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["vtrain", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err

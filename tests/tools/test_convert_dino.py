@@ -11,7 +11,6 @@ down to 2.1e-6, under what rounding can move, so detections are matched as sets 
 
 import functools
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,24 +18,18 @@ from safetensors.torch import load_file
 from timm.models.swin_transformer import SwinTransformerBlock
 
 from tests.helpers.paths import FIXTURES
+from tests.helpers.peers import COCO_IDS, TINY
 from vtrain.errors import VtrainError
 from vtrain.models.dino import DINO, DinoOptions, postprocess
-from vtrain.models.dino.adapters import coco_categories, detrex, idea, mmdet
+from vtrain.models.dino.adapters import detrex, idea, mmdet
 from vtrain.models.formats import unwrap
 from vtrain.models.swin_attention import SharedBiasSwinBlock
-from vtrain.presets import DINO_PRESETS, DinoPreset
+from vtrain.presets import DINO_PRESETS
 from vtrain.safeio import load_published
 from vtrain.tools import convert as conv
 
 FIX = FIXTURES
 TOL = 1e-5
-# the fixtures' small configuration (tests/fixtures/README.md): Swin embed 8, depths 2/2/2/2, window 7, 5 levels,
-# 256-d DINO with FFN 64, 2 + 2 layers, 30 queries
-TINY = DinoPreset("swin_tiny_patch4_window7_224", (0, 1, 2, 3), 5,
-                  dict(strict_img_size=False, embed_dim=8, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8)),
-                  "the peer fixtures' small DINO", out_norm=True, dim=256, ffn=64, enc_layers=2, dec_layers=2,
-                  heads=8, points=4, queries=30, dn_queries=0)
-COCO_IDS = [c["id"] for c in coco_categories()]
 # peer -> (checkpoint file, --from, its adapter; IDEA's with every class row, so its 91-row top-k is the peer's)
 PEERS = {
     "idea": ("checkpoint.pth", "idea-dino", functools.partial(idea.from_idea, categories="source")),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 import torch
 from torchvision.io import decode_image
 
+from tests.helpers.cli import cli_in_process as cli
 from tests.helpers.cli import faces_dataset, ok, reseal, vtrain
 from vtrain.errors import VtrainError
 
@@ -42,20 +42,6 @@ def dino_run(tmp_path_factory) -> dict:
               "--lr", "1e-3", "--backbone-lr-mult", "1", "--clip-grad", "1.0", "--schedule", "constant",
               "--log-every", "20", "--save-every", "40"))
     return {"run": run, "ann": ann, "coco": sub, "files": [img_dir / im["file_name"] for im in images]}
-
-
-def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """`vtrain ARGS` in this process (the real entry point, with its error handling): (exit code, stdout, stderr)."""
-    from vtrain.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["vtrain", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.integration

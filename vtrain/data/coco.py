@@ -23,7 +23,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
-from vtrain.data.coco_check import check_coco, coco_from_dict
+from vtrain.data.coco_check import coco_from_dict
 from vtrain.data.coco_index import KIND, KIND_VERSION, gc_paused, parse_coco, write_targets
 from vtrain.data.images import decode_rgb
 from vtrain.data.index import Index, file_identity, open_index

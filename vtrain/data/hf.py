@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
-from vtrain.data.coco import CocoDetection, coco_from_dict
+from vtrain.data.coco import CocoDetection
+from vtrain.data.coco_check import coco_from_dict
 from vtrain.data.coco_index import MemoryIndex, records_of, write_targets
 from vtrain.data.faces import FaceSamples
 from vtrain.data.images import decode_rgb, image_size

@@ -1,5 +1,5 @@
 """docs/options.md, the reference of `vtrain train`'s options and --config keys, generated from the config fields
-(config/fields.py): `python -m vtrain.tools.options_doc > docs/options.md`. tests/test_options.py checks that the
+(config/fields.py): `python -m vtrain.tools.options_doc > docs/options.md`. tests/core/test_options.py checks that the
 file is current."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from vtrain.config import TASK_DEFAULTS, Option, options
 HEADER = """# Options of `vtrain train`
 
 Generated from the config dataclasses (`vtrain/config/`) by `python -m vtrain.tools.options_doc > docs/options.md`;
-do not edit by hand (tests/test_options.py checks it). `vtrain train --help` shows the same text.
+do not edit by hand (tests/core/test_options.py checks it). `vtrain train --help` shows the same text.
 
 Every option is also a key of a `--config FILE.yaml` file, under its section (`model`, `data`, `optim`, `parallel`,
 `train`; `task` at the top): flags override the file, the file overrides the task's defaults, which override the

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from tests.helpers.paths import ROOT
 from vtrain.config import ParallelConfig, RunConfig, TrainConfig
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import engine_layout, faults

@@ -16,7 +16,7 @@ from typing import Literal
 
 import pytest
 
-from conftest import ROOT
+from tests.helpers.paths import ROOT
 from vtrain.config.fields import NO_FLAG, Section
 
 

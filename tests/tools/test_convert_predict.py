@@ -22,21 +22,21 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torchvision.io import decode_png, read_file
 
-from test_convert_dino import COCO_IDS, TINY
-from test_predict import cli
+from tests.helpers.cli import cli_in_process as cli
+from tests.helpers.paths import FIXTURES
+from tests.helpers.peers import COCO_IDS, TINY
 from vtrain.data.coco import normalize
 from vtrain.models.dino import DINO
 from vtrain.models.dino.adapters import idea
 from vtrain.tools import convert as conv
 from vtrain.presets import DINO_PRESETS
 
-FIX = Path(__file__).parent / "fixtures"
+FIX = FIXTURES
 IMAGE = FIX / "predict_image.png"
 # case -> (peer, checkpoint, --from, the peer's detections)
 CASES = {"idea": ("idea", "checkpoint.pth", "idea-dino", "predict.json"),

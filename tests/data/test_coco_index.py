@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.paths import HELPERS
 from vtrain.data import coco_index
 from vtrain.data.coco import CocoDetection, load_coco
 from vtrain.data.index import Index
@@ -211,7 +212,7 @@ def test_a_damaged_index_is_refused_in_one_line(tmp_path, how):
 
 @pytest.mark.slow
 def test_two_processes_building_at_once_make_one_valid_index(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "helpers"))  # spawned processes inherit sys.path
+    monkeypatch.syspath_prepend(str(HELPERS))  # spawned processes inherit sys.path
     from index_race import build_coco
 
     ann, images = coco_set(tmp_path)
