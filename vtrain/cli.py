@@ -146,6 +146,11 @@ def train(
     compile: Annotated[Optional[bool], typer.Option(
         "--compile", help="Regional torch.compile: each backbone block and DINO encoder/decoder layer compiled on its "
         "own, the rest eager (docs/compile.md)")] = None,
+    deterministic: Annotated[Optional[bool], typer.Option(
+        "--deterministic", help="Bit-identical reruns on one machine: deterministic algorithms, fixed intra-op threads "
+        "(recorded), seeded loader workers; kept on resume (docs/determinism.md)")] = None,
+    threads: Annotated[Optional[int], typer.Option(
+        help="Intra-op CPU threads per process (0: torch's default); results depend on it")] = None,
 ) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
     # first: a SIGTERM/SIGINT that arrives while the model is being built must also lead to a checkpoint
