@@ -87,17 +87,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/demo_seeds"), help="output path without suffix")
     args = ap.parse_args()
     flags = (shlex.split(args.flags) if args.flags else makefile_flags()) + shlex.split(args.extra)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="vtrain-demo-seeds-") as work:
         for seed in args.seeds:
             rows.append(run_seed(flags, seed, args.threads, Path(work)))
             print(json.dumps(rows[-1]), flush=True)
-    s = summary(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"flags": flags, "threads": args.threads, "runs": rows,
-                                                    "summary": s}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(flags, args.threads, rows, s))
+            # written after every seed, so an interrupted sweep keeps what it measured
+            s = summary(rows)
+            out.with_suffix(".json").write_text(json.dumps({"flags": flags, "threads": args.threads, "runs": rows,
+                                                            "summary": s}, indent=1) + "\n")
+            out.with_suffix(".md").write_text(render(flags, args.threads, rows, s))
     print(render(flags, args.threads, rows, s))
 
 
