@@ -6,7 +6,7 @@ Where runs with one seed went apart (measured, docs/determinism.md §1):
   denoising noise, drop-path), and it happened at the first batch of a run, so a resumed run drew other noise than
   an uninterrupted one from its first step on. The loader now always has its own generator (`loader_generator`).
 - Threads: oneDNN's convolutions and the reductions of many CPU kernels split their work by the intra-op thread
-  count, so the sums come out in another order, and the last bits differ from the first backward on (§2). A
+  count, so the sums come out in another order and the last bits differ within a few steps (§1). A
   training run amplifies them: two thread counts give other losses within a few steps and another AP at the end.
 - Algorithms: torch.use_deterministic_algorithms refuses (or warns about) the kernels that have no deterministic
   version (§3).
