@@ -132,3 +132,14 @@ def test_resume_keeps_the_checkpoints_settings(saved, given, want, note):
     notes = determinism.keep_from_checkpoint(cfg, None if saved is None else _cfg(*saved))
     assert (cfg.train.deterministic, cfg.train.threads) == want
     assert (note is None and notes == []) or (note is not None and len(notes) == 1 and note in notes[0])
+
+
+@pytest.mark.parametrize("threads,ok_", [(0, True), (1, True), (1024, True), (-1, False), (1025, False)])
+def test_threads_range(threads, ok_):
+    from vtrain.errors import ConfigError
+
+    if ok_:
+        assert TrainConfig(output_dir="runs/x", threads=threads).threads == threads
+    else:
+        with pytest.raises(ConfigError, match=r"--threads \(train.threads\): must be in 0..1024"):
+            TrainConfig(output_dir="runs/x", threads=threads)

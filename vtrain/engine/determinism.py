@@ -9,7 +9,7 @@ Where runs with one seed went apart (measured, docs/determinism.md §1):
   count, so the sums come out in another order and the last bits differ within a few steps (§1). A
   training run amplifies them: two thread counts give other losses within a few steps and another AP at the end.
 - Algorithms: torch.use_deterministic_algorithms refuses (or warns about) the kernels that have no deterministic
-  version (§3).
+  version (§2).
 """
 
 from __future__ import annotations
