@@ -7,7 +7,7 @@ all-gather / all-reduce traffic itself is not measured (one process has none); `
 head AdamW (the sharded head's row-sparse AdamW, engine/head_shard.py).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/face_head.py                 # small CPU sizes
-    PYTHONPATH=$PWD python benchmarks/face_head.py --gpu                              # issue 10's sizes, one GPU
+    PYTHONPATH=$PWD python benchmarks/face_head.py --gpu                              # the GPU sizes, one GPU
 
 Writes benchmarks/results/face_head_<device>.json and .md.
 """
@@ -86,7 +86,7 @@ def measure(preset: str, classes: int, mode: str, rate: float, world: int, batch
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gpu", action="store_true", help="issue 10's sizes: ViT-B, 100k/1M/2M identities, batch 256")
+    ap.add_argument("--gpu", action="store_true", help="the GPU sizes: ViT-B, 100k/1M/2M identities, batch 256")
     ap.add_argument("--world", type=int, default=None, help="simulated number of processes for the sharded head")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: one row, "classes:mode:rate"

@@ -54,7 +54,7 @@ ROOT = HERE.parent
 PY = sys.executable
 GPU_CLASSES = (100_000, 1_000_000, 2_000_000)  # face_head.py --gpu
 FACE_MODES = (("none", 1.0), ("sharded", 1.0), ("sharded", 0.1))
-COMPILE_FLAG = "--compile"  # loop_overhead.py's option for its compiled rows (issue 21 item 3)
+COMPILE_FLAG = "--compile"  # loop_overhead.py's option for its compiled rows
 
 
 @dataclass
@@ -128,7 +128,7 @@ def units(dry_run: bool) -> list[Unit]:
                                                               COMPILE_FLAG, "--json", "{work}/loop.json"),
                     300 if "face" in case else 400, 600, "loop")
         if not _has_compile_option():
-            unit.skip = f"benchmarks/loop_overhead.py has no {COMPILE_FLAG} option yet, issue 21 item 3"
+            unit.skip = f"benchmarks/loop_overhead.py has no {COMPILE_FLAG} option yet"
         elif dry_run:
             unit.skip = "not in a dry run: compiling takes minutes on a CPU"
         out.append(unit)

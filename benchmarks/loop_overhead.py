@@ -1,4 +1,4 @@
-"""vtrain's training loop vs a minimal hand-written loop on the same model, data and settings (issue 11 §3).
+"""vtrain's training loop vs a minimal hand-written loop on the same model, data and settings.
 
 Per case, in one run of this script:
 - **vtrain**: `python -m vtrain train ...` (the real CLI, one process), timed by its own log: the `samples_per_s`
@@ -9,7 +9,7 @@ Per case, in one run of this script:
   host read of anything; timed over the same number of steps after the same warm-up, with a device
   synchronisation at both ends.
 
-The ratio vtrain / bare is the loop's efficiency (issue 11 goals on one H100: >= 0.92 face ViT-B, >= 0.97 DINO
+The ratio vtrain / bare is the loop's efficiency (goals on one H100: >= 0.92 face ViT-B, >= 0.97 DINO
 Swin-L). With `--compile` both loops compile the model's blocks the same way (`vtrain train --compile`, and
 `engine.compile.apply_compile` on the bare loop's model), the warm-up steps include the compilation (and DINO's one
 recompile with dynamic sizes), and the rows carry `"compile": true`; compare their images/s with a run without

@@ -1,4 +1,4 @@
-"""The plans `--grad-ckpt auto` makes for budgets of 8/12/16/22/40 GiB per GPU (issue 20's goal table), on CPU with
+"""The plans `--grad-ckpt auto` makes for budgets of 8/12/16/22/40 GiB per GPU (the goal table), on CPU with
 fake tensors: `vtrain estimate-memory --memory-budget B` for each row, traces shared across one model's budgets.
 
 Models (stated settings, one GPU of 8, DDP):
@@ -105,7 +105,7 @@ def main() -> None:
                      f"{r['seconds']:.0f} |")
     lines += ["", "Model states, buffers and allowance (the part no plan changes): " +
               "; ".join(f"{m['model']}: {m['fixed_gib']:.2f} GiB ({m['traces']} traces in all)" for m in models), "",
-              f"**Goal (issue 20): DINO Swin-L, `--grad-ckpt auto --memory-budget 22`**, planned from nothing as a run "
+              f"**Goal: DINO Swin-L, `--grad-ckpt auto --memory-budget 22`**, planned from nothing as a run "
               f"does: {goal_row['plan']}, predicted {goal_row['predicted_gib']:.2f} GiB, +{goal_row['extra_flops_pct']:.1f}% "
               f"forward FLOPs; {goal_row['traces']} traces in {goal_row['seconds']:.0f} s.", ""]
     out.write_text("\n".join(lines))

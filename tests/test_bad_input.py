@@ -1,4 +1,4 @@
-"""Bad input, as a careless or hostile user gives it (issue 9): every case must end with a non-zero exit, exactly
+"""Bad input, as a careless or hostile user gives it: every case must end with a non-zero exit, exactly
 one `error:` line that names the problem, no traceback, and nothing already on disk changed.
 
 Most cases fail in config validation, before torch is imported (~0.5 s each). The few that need a checkpoint,

@@ -1,4 +1,4 @@
-"""Checkpoint content (issue 18 §3, and §4's junk head file and resume of another preset): every tensor vtrain reads
+"""Checkpoint content (a junk head file and the resume of another preset included): every tensor vtrain reads
 from a checkpoint or a weights file is checked for name, shape, dtype, class range and finite values before it is
 used (engine/content.py); a checkpoint of another model is one line saying both models; consolidation writes every
 weight set whole.

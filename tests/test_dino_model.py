@@ -283,7 +283,7 @@ def test_pretrained_full_detector_with_other_classes_keeps_all_but_class_tensors
     model = DINO("debug", 4)
     msg = _task(tmp_path, path).load_pretrained(model)
     # 3 class heads (2 decoder layers + encoder; weight and bias) and the denoising label embedding
-    assert "missing 0" in msg and "re-initialised (other shape) 7" in msg, msg
+    assert "196/196 tensors" in msg and "re-initialised for 7 → 4 classes" in msg and "no rows kept" in msg, msg
     torch.testing.assert_close(model.encoder.layers[0].attn.value_proj.weight,
                                src.encoder.layers[0].attn.value_proj.weight)
     assert not torch.equal(model.cls_heads[0].weight[:4], src.cls_heads[0].weight[:4])

@@ -1,4 +1,4 @@
-"""Hostile and careless data (issue 18 §2, the data side of §4, §5): memory bounded by what a file really holds,
+"""Hostile and careless data (docs/input_limits.md): memory bounded by what a file really holds,
 labels checked the same way for every source and head, evaluation data that cannot be scored refused up front, and
 no fork of a process that runs threads.
 
@@ -495,7 +495,7 @@ def _run_bounded(script: str, timeout: float, *args: str) -> subprocess.Complete
 
 # A lock that the work needs is held by another thread when the work starts (`hold_while_starting()`, after every
 # import), and released 3 s later: threads, or a fresh interpreter, wait for it or never see it; a forked child
-# inherits it held, with no thread left to release it, and waits forever. This is the interleaving of issue 18 §5
+# inherits it held, with no thread left to release it, and waits forever. This is the interleaving of docs/input_limits.md §5
 # (a heartbeat thread, an inherited lock), forced.
 HELD = """
     import sys, threading, time

@@ -1,4 +1,4 @@
-"""Hostile and careless files around a run (issue 18 §1, the file side of §4, and --keep-best's superseded best):
+"""Hostile and careless files around a run (the files of a run, and --keep-best's superseded best):
 nothing outside the run is read as its own, written or deleted; every malformed file and every environment error
 is one line; a superseded best checkpoint does not outlive the run.
 

@@ -139,7 +139,7 @@ def test_imports_inside_functions_only_where_listed():
 def test_the_lists_name_real_modules():
     assert set(LAZY_IMPORTS) <= set(MODULES)
     parts = {m.split(".")[1] if "." in m else "" for m in MODULES}
-    unused = {p for _, names in LAYERS for p in names} - parts - {"dist"}  # dist: collective helpers (issue 19)
+    unused = {p for _, names in LAYERS for p in names} - parts - {"dist"}  # dist: collective helpers (docs/architecture.md)
     assert not unused, f"LAYERS names modules that do not exist: {sorted(unused)}"
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/msda_kernel_report.py: the occupancy arithmetic, and issue 21's goal checked on machine code: the
+"""benchmarks/msda_kernel_report.py: the occupancy arithmetic, and the register goal (docs/msda_kernels.md) checked on machine code: the
 deformable-attention kernels, compiled on this CPU for sm_80 and sm_90 exactly as the op launches them, fit in 64
 registers without spilling (at least half of the SM's warp slots resident)."""
 
@@ -25,7 +25,7 @@ def _report():
 
 
 @pytest.mark.parametrize("arch, regs, warps, shared, blocks, limiter", [
-    (90, 255, 4, 512, 2, "registers"),  # the kernels before issue 21: 12.5%
+    (90, 255, 4, 512, 2, "registers"),  # the kernels before the register work: 12.5%
     (90, 64, 4, 0, 8, "registers"),  # 64 x 32 = 2048 per warp: 8 warps per quarter of the register file: 50%
     (90, 65, 4, 0, 7, "registers"),  # 2080 rounds up to 2304 per warp: 7 per quarter
     (80, 40, 4, 0, 12, "registers"),  # 1280 per warp: 12 per quarter, 48 warps: 75%

@@ -1,4 +1,4 @@
-"""Issue 20: where the activation bytes at the peak come from (`--breakdown`), the sharded face head in the
+"""Where the activation bytes at the peak come from (`--breakdown`), the sharded face head in the
 estimate, and the recompute planner (`--grad-ckpt auto --memory-budget`): within budget by the tracer's own
 count, monotone in the budget, deterministic, one clear error when nothing fits or no budget is known."""
 

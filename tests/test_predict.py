@@ -187,6 +187,76 @@ def test_checkpoint_without_categories_json(dino_run, tmp_path):
         run(old, "old_three", str(three))
 
 
+def _record_input_sizes(monkeypatch, module) -> list[tuple[int, int]]:
+    """Patch `module.load_model` so the loaded model records the unpadded (h, w) of every image it is given (from
+    the padding masks): the test resize really used."""
+    real, seen = module.load_model, []
+
+    def hook(_, args, kwargs):
+        for m in kwargs["masks"]:
+            valid = ~m
+            seen.append((int(valid.any(1).sum()), int(valid.any(0).sum())))
+
+    def load(*args, **kwargs):
+        loaded = real(*args, **kwargs)
+        loaded.model.register_forward_pre_hook(hook, with_kwargs=True)
+        return loaded
+
+    monkeypatch.setattr(module, "load_model", load)
+    return seen
+
+
+def _resized(files: list[Path], size: int, max_size: int) -> list[tuple[int, int]]:
+    from torchvision.transforms import v2
+
+    return [tuple(v2.Resize(size, max_size=max_size)(decode_image(str(f))).shape[-2:]) for f in files]
+
+
+@pytest.mark.parametrize("flags,size", [([], (128, 213)), (["--image-size", "96"], (96, 160)),
+                                        (["--image-size", "160", "--max-size", "170"], (160, 170)),
+                                        (["--max-size", "140"], (128, 140))])
+def test_predict_and_eval_test_size(dino_run, tmp_path, monkeypatch, capsys, flags, size):
+    """--image-size / --max-size set the test resize of predict and eval (the run's 128 / 213 without them): the
+    images the model is given have that size; --image-size alone takes the recipe's long side (x 1333 / 800)."""
+    import vtrain.tools.evaluate
+    import vtrain.tools.predict
+
+    files = dino_run["files"]
+    seen = _record_input_sizes(monkeypatch, vtrain.tools.predict)
+    code, stdout, err = cli(monkeypatch, capsys, "predict", "--checkpoint", str(dino_run["run"]), "--images",
+                            str(files[0]), "--images", str(files[1]), "--out", str(tmp_path / "o"), "--num-workers",
+                            "0", *flags)
+    assert code == 0, err
+    assert f"at test size {size[0]}/{size[1]}" in stdout
+    assert seen == _resized(files, *size)
+    seen = _record_input_sizes(monkeypatch, vtrain.tools.evaluate)
+    code, stdout, err = cli(monkeypatch, capsys, "eval", "--checkpoint", str(dino_run["run"]), "--json", *flags)
+    assert code == 0, err
+    assert json.loads(stdout.strip().splitlines()[-1])["test_size"] == list(size)
+    assert sorted(seen) == sorted(_resized(files, *size))  # the val set (= these 2 images), in its own order
+
+
+def test_bad_test_sizes_are_one_error_line(dino_run, metric_run, tmp_path, monkeypatch, capsys):
+    image = str(dino_run["files"][0])
+    cases = [
+        (dino_run["run"], ["--image-size", "0"], "--image-size: must be in 64..8192 pixels"),
+        (dino_run["run"], ["--image-size", "9000"], "--image-size: must be in 64..8192 pixels"),
+        (dino_run["run"], ["--max-size", "-5"], "--max-size: must be in 64..16384 pixels"),
+        (dino_run["run"], ["--image-size", "200", "--max-size", "200"],
+         "--max-size: must be above the short side 200 (--image-size), got 200"),
+        (dino_run["run"], ["--max-size", "100"], "--max-size: must be above the short side 128 (the run's"),
+        (metric_run, ["--image-size", "128"], "--image-size: only for detection checkpoints"),
+    ]
+    for checkpoint, flags, message in cases:
+        for command in (["predict", "--images", image, "--out", str(tmp_path / "o.safetensors"), "--num-workers",
+                         "0"], ["eval"]):
+            code, _, err = cli(monkeypatch, capsys, command[0], "--checkpoint", str(checkpoint), *command[1:],
+                               *flags)
+            lines = err.strip().splitlines()
+            assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
+                (command[0], flags, err)
+
+
 @pytest.fixture(scope="module")
 def metric_run(faces, tmp_path_factory) -> Path:
     """2 steps of the metric task on `--data hf:` (train + validation splits saved with save_to_disk, the same JPEG

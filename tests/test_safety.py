@@ -1,4 +1,4 @@
-"""Hostile and careless input (issue 9): no code runs from a file vtrain reads, a run deletes only its own
+"""Hostile and careless input: no code runs from a file vtrain reads, a run deletes only its own
 checkpoints and holds its output dir alone, a damaged checkpoint is named (and `--resume auto` falls back), and
 SIGTERM/SIGINT finish the step, save and exit 143/130.
 

@@ -95,7 +95,8 @@ def train(
     log_every: Annotated[Optional[int], typer.Option(help="Log every N steps")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Random seed")] = None,
     config: Annotated[Optional[Path], typer.Option(help="YAML config; flags override its values")] = None,
-    pretrained: Annotated[Optional[str], typer.Option(help="Local weights file (no downloads)")] = None,
+    pretrained: Annotated[Optional[str], typer.Option(
+        help="Local weights file or vtrain checkpoint (dir) to start from (no downloads)")] = None,
     image_size: Annotated[Optional[int], typer.Option(help="Input resolution")] = None,
     embedding_dim: Annotated[Optional[int], typer.Option(help="Embedding size (metric)")] = None,
     neck_norm: Annotated[Optional[str], typer.Option(help="Embedding neck norm: bn, ln or none")] = None,
@@ -187,6 +188,10 @@ def evaluate(
         help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
         "89478485)")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace --save-predictions when it exists (never a checkpoint's file)")] = False,
+    image_size: Annotated[Optional[int], typer.Option(
+        help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
+    max_size: Annotated[Optional[int], typer.Option(
+        help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
     box AP."""
@@ -201,11 +206,12 @@ def evaluate(
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
                  "val_ann": val_ann, "val_images": val_images, "max_image_pixels": max_image_pixels}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
-                                            save_predictions, weights, overwrite)
+                                            save_predictions, weights, overwrite, image_size, max_size)
     if classwise and "per_class" not in metrics:
         raise VtrainError("--classwise: only for detection checkpoints")
+    size = f", test size {metrics['test_size'][0]}/{metrics['test_size'][1]}" if "test_size" in metrics else ""
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint} ({metrics['weights']} "
-                                                        "weights)"))
+                                                        f"weights{size})"))
     if classwise:
         console.print(run_task.classwise_table(metrics))
     if save_predictions:
@@ -232,6 +238,10 @@ def predict(
         help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
         "89478485)")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace the files --out names when it exists (never a checkpoint's file)")] = False,
+    image_size: Annotated[Optional[int], typer.Option(
+        help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
+    max_size: Annotated[Optional[int], typer.Option(
+        help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
 ) -> None:
     """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
     from vtrain.engine.logging import console
@@ -243,10 +253,11 @@ def predict(
         raise VtrainError("--num-workers: must be >= 0")
     report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
                          batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels,
-                         overwrite=overwrite)
+                         overwrite=overwrite, image_size=image_size, max_size=max_size)
     if report.task == "dino":
-        console.print(f"{report.images} images on {report.device}: {report.detections} boxes with score >= "
-                      f"{report.score_threshold}; wrote the drawn images and predictions.json to {out}", soft_wrap=True)
+        console.print(f"{report.images} images on {report.device} at test size {report.test_size[0]}/"
+                      f"{report.test_size[1]}: {report.detections} boxes with score >= {report.score_threshold}; "
+                      f"wrote the drawn images and predictions.json to {out}", soft_wrap=True)
     else:
         console.print(f"{report.images} images on {report.device}: wrote {out} (embeddings; file names in its "
                       "metadata)", soft_wrap=True)
@@ -397,33 +408,32 @@ def estimate_memory_cmd(
 @app.command()
 def presets() -> None:
     """List model presets with parameter counts (built on the meta device: instant, no memory)."""
-    import torch
-    from rich.table import Table
-
     from vtrain.engine.logging import console
-    from vtrain.models.backbones import build_backbone
-    from vtrain.models.dino import DINO, count_parameters
-    from vtrain.presets import DINO_PRESETS, METRIC_PRESETS
+    from vtrain.tools.presets_table import preset_tables
 
-    t = Table(title="--task metric: backbones (112x112)")
-    for col in ("preset", "timm model", "backbone params", "description"):
-        t.add_column(col)
-    for name, fn in METRIC_PRESETS.items():
-        p = fn()
-        with torch.device("meta"):
-            n = sum(x.numel() for x in build_backbone(name, 112).parameters())
-        t.add_row(name, p.timm_name, f"{n / 1e6:.2f}M", p.description)
-    console.print(t)
-    t = Table(title="--task dino: detectors (80 classes)")
-    for col in ("preset", "timm backbone", "levels", "backbone", "total", "description"):
-        t.add_column(col)
-    for name, fn in DINO_PRESETS.items():
-        p = fn()
-        with torch.device("meta"):
-            n = count_parameters(DINO(p, 80))
-        t.add_row(name, p.timm_name, str(p.levels), f"{n['backbone'] / 1e6:.2f}M", f"{n['total'] / 1e6:.2f}M",
-                  p.description)
-    console.print(t)
+    for table in preset_tables():
+        console.print(table)
+
+
+@app.command("convert")
+def convert_cmd(
+    src: Annotated[Path, typer.Argument(help="A published checkpoint file (e.g. arcface_torch model.pt)")],
+    out: Annotated[Path, typer.Argument(help="New run directory to write (its checkpoints/step_0)")],
+    source: Annotated[str, typer.Option("--from", help="What wrote SRC: arcface-vit (docs/convert.md)")],
+    model: Annotated[Optional[str], typer.Option("--model", help="Preset to fill (default: the one of the file's "
+                                                 "sizes, else the source's)")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT when it is an earlier `vtrain convert` output")] = False,
+) -> None:
+    """Convert a published checkpoint into a vtrain checkpoint that eval, predict, export and --pretrained read."""
+    from vtrain.engine.logging import console
+    from vtrain.tools.convert import convert
+
+    r = convert(src, out, source, model, overwrite)
+    for note in r.notes:
+        console.print(note, soft_wrap=True)
+    left = "".join(f"; left out {k} ({why})" for k, why in r.unused.items())
+    console.print(f"filled all {r.filled} tensors of --model {r.preset}{left}", soft_wrap=True)
+    console.print(f"wrote {r.checkpoint}", soft_wrap=True)
 
 
 def _leave_gloo_group() -> None:

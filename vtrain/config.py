@@ -85,7 +85,8 @@ class ModelConfig:
     preset: str = "debug"
     """Backbone preset name (see `vtrain presets`)."""
     pretrained: str | None = None
-    """Local weights file (timm backbone or a vtrain model state dict); nothing is downloaded."""
+    """Local weights file (timm backbone or a vtrain model state dict) or a vtrain checkpoint directory to fine-tune
+    from (a detector trained on other classes keeps all but its class rows); nothing is downloaded."""
     image_size: int = 112
     """Metric: square input size (face crops are 112). DINO: test short side (800 in the recipe); the training
     scales follow it (480-800 at 800) and the long side is capped at image_size * 1333 / 800."""
@@ -156,7 +157,8 @@ class ModelConfig:
         _check(self.memory_budget is None or spec.auto, "--memory-budget",
                "plans the activation checkpointing: it needs --grad-ckpt auto")
         if self.pretrained is not None:
-            _check(Path(self.pretrained).is_file(), "--pretrained", f"file not found: {self.pretrained}")
+            _check(Path(self.pretrained).exists(), "--pretrained",
+                   f"weights file or checkpoint directory not found: {self.pretrained}")
         # upper bounds: the denoising attention mask and the matcher grow with the square of the query count
         # (recipes use 900 and 100-300; docs/dino.md §1.1), so a typo must not allocate terabytes
         _check(self.num_queries is None or 0 < self.num_queries <= MAX_QUERIES, "--num-queries",

@@ -7,7 +7,10 @@ Each metric preset returns the timm model name and keyword arguments for a backb
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
+
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -16,10 +19,23 @@ class BackbonePreset:
     kwargs: dict[str, Any] = field(default_factory=dict)
     takes_img_size: bool = True
     description: str = ""
+    neck: str = "linear"
+    """The embedding neck (models/metric.py): `linear` projects pooled features; `flatten` flattens every token
+    (arcface_torch's ViT feature layer, docs/face.md §5)."""
 
 
 def _vit(name: str, desc: str, **kw: Any) -> Callable[[], BackbonePreset]:
     return lambda: BackbonePreset(name, kw, True, desc)
+
+
+def _arcface_vit(dim: int, depth: int, drop_path: float, desc: str, heads: int = 8) -> Callable[[], BackbonePreset]:
+    """arcface_torch's face ViT (insightface recognition/arcface_torch/backbones/vit.py, docs/face.md §5): patch 9
+    at 112 px (12x12 tokens), no class token, no qkv bias, ReLU6 MLP (ratio 4), LayerNorm eps 1e-5, 8 heads, no
+    pooling: the neck flattens all tokens."""
+    kw = dict(patch_size=9, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0, class_token=False,
+              global_pool="", qkv_bias=False, act_layer="relu6", norm_layer=partial(nn.LayerNorm, eps=1e-5),
+              drop_path_rate=drop_path)
+    return lambda: BackbonePreset("vit_base_patch16_224", kw, True, desc, neck="flatten")
 
 
 METRIC_PRESETS: dict[str, Callable[[], BackbonePreset]] = {
@@ -33,6 +49,13 @@ METRIC_PRESETS: dict[str, Callable[[], BackbonePreset]] = {
     "swin-b": _vit("swin_base_patch4_window7_224", "Swin-B, window 7"),
     "swin-l": _vit("swin_large_patch4_window7_224", "Swin-L, window 7"),
     "resnet50": lambda: BackbonePreset("resnet50", {}, False, "ResNet-50 (BatchNorm)"),
+    # the arcface_torch layout at test size (the converter's test fixture, tests/fixtures/arcface/)
+    "debug-af": _arcface_vit(24, 2, 0.0, "tiny arcface_torch-layout ViT (dim 24, depth 2) for tests", heads=4),
+    # arcface_torch's vit_t / vit_s / vit_b and vit_l_dp005_mask_005 (backbones/__init__.py get_model): 112 px only
+    "vit-t-af": _arcface_vit(256, 12, 0.1, "arcface_torch vit_t: dim 256, depth 12, patch 9, flatten neck"),
+    "vit-s-af": _arcface_vit(512, 12, 0.1, "arcface_torch vit_s: dim 512, depth 12, patch 9, flatten neck"),
+    "vit-b-af": _arcface_vit(512, 24, 0.1, "arcface_torch vit_b: dim 512, depth 24, patch 9, flatten neck"),
+    "vit-l-af": _arcface_vit(768, 24, 0.05, "arcface_torch vit_l: dim 768, depth 24, patch 9, flatten neck"),
 }
 
 

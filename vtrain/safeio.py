@@ -170,3 +170,48 @@ def check_dcp(paths: Iterable[Path]) -> None:
         if meta.is_file():
             allowed = allowed or _dcp_globals()
             restricted_load(meta, allowed)
+
+
+# ---- published checkpoints -----------------------------------------------------------------------------------------
+
+def _published_globals() -> list:
+    """Classes that published checkpoints pickle beside their tensors and that only hold data: IDEA DINO stores
+    its command line as an `argparse.Namespace` under `args` (docs/convert.md §1); numpy arrays and scalars (train
+    states of several codebases) are rebuilt from bytes and a dtype. Nothing here calls user-named code."""
+    import argparse
+
+    import numpy as np
+
+    allowed: list = [argparse.Namespace, np.ndarray, np.dtype]
+    core = getattr(np, "_core", None) or np.core  # numpy 2 moved numpy.core to numpy._core
+    for fn in ("_reconstruct", "scalar"):
+        obj = getattr(core.multiarray, fn)
+        # files written under numpy 1 name `numpy.core.multiarray`, under numpy 2 `numpy._core.multiarray`
+        allowed += [(obj, f"numpy.core.multiarray.{fn}"), (obj, f"numpy._core.multiarray.{fn}")]
+    allowed += [getattr(np.dtypes, n) for n in dir(getattr(np, "dtypes", None)) if n.endswith("DType")]
+    return allowed
+
+
+def _cause(message: str) -> str:
+    """torch's own reason inside its long weights-only message (the first line after `Unpickler error:`)."""
+    m = re.search(r"Unpickler error:\s*(\S[^\n]*)", message)
+    return m.group(1)[:200] if m else "an unreadable pickle"
+
+
+def load_published(path: str | Path):
+    """A checkpoint another codebase wrote (`vtrain convert`, `--pretrained`): torch.load weights-only, admitting
+    only the harmless classes of `_published_globals` (never `weights_only=False`). Anything else is refused in one
+    line naming the class; a file torch cannot read at all is one line too."""
+    import torch
+
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(_published_globals()):
+            # torch's own load (not enforce_weights_only's wrapper): its errors are told apart below
+            return (_torch_load or torch.load)(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if re.search(r"GLOBAL [\w.]+", str(e)):  # a class or function outside the allowlist
+            raise UnsafeFileError(f"refusing to unpickle {path}: {_what(str(e))}") from None
+        raise VtrainError(f"cannot read {path}: not a torch checkpoint ({_cause(str(e))})") from None
+    except Exception as e:  # truncated, not a torch file, unreadable
+        raise VtrainError(f"cannot read {path}: {' '.join(str(e).split())[:300]}") from None

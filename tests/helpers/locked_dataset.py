@@ -1,4 +1,4 @@
-"""A dataset whose every item needs a module-level lock (tests/test_hostile_data.py, issue 18 §5): a DataLoader
+"""A dataset whose every item needs a module-level lock (tests/test_hostile_data.py, docs/input_limits.md §5): a DataLoader
 worker forked while another thread holds that lock inherits it held and blocks forever; a worker started from a
 fresh interpreter (forkserver, spawn) imports this module anew, with the lock free."""
 

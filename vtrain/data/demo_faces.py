@@ -92,7 +92,7 @@ def write_identity_tree(root: Path, first_id: int, num_ids: int, per_id: int, se
     jobs = [(Path(root) / f"id_{i:05d}", i, per_id, seed) for i in range(first_id, first_id + num_ids)]
     # threads, never forked processes: this runs inside `vtrain train`, where the output-dir lock's heartbeat
     # thread already runs, and a forked child can block forever on a lock another thread held at the fork
-    # (issue 18 §5; docs/input_limits.md §5). PIL's drawing, filters and JPEG encoder and numpy release the GIL
+    # (docs/input_limits.md §5). PIL's drawing, filters and JPEG encoder and numpy release the GIL
     # for most of the work; every identity has its own seeded generator, so the output does not depend on order.
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="vtrain-demo-faces") as pool:
         list(pool.map(_write_identity, jobs))  # list(): an exception in any job is raised here

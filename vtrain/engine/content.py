@@ -148,7 +148,7 @@ def expect_tensors(file: str | Path, spec: Spec | None, flag: str = "", model: s
     must fit, for the message. A problem raises a ContentError: `FLAG: FILE does not fit MODEL: tensor ...`."""
     file = Path(file)
     if tensors is None and file.suffix != ".safetensors":
-        tensors = read_state_dict(file)
+        tensors = read_state_dict(file, flag)
     found = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} if tensors is not None else \
         read_header(file, flag)[0]
     problem = compare(found, spec) if spec is not None else None
@@ -235,7 +235,8 @@ def head_files(ckpt_dir: str | Path, dim: int | None = None, flag: str = "") -> 
 def recorded_classes(path: str | Path, cfg: RunConfig, flag: str = "") -> int | None:
     """The class count of checkpoint `path` (whose config is `cfg`): its head shards' metadata with
     --head-parallel sharded, else the rows of the classifier in its model.safetensors, which for detection must
-    agree with categories.json; None when it has no model.safetensors (vtrain <= 0.1: nothing records it)."""
+    agree with categories.json; 0 for a face model without a head (a converted published one, tools/convert.py);
+    None when it has no model.safetensors (vtrain <= 0.1: nothing records it)."""
     path = Path(path)
     if cfg.task == "metric" and cfg.model.head_parallel == "sharded":
         shards = head_files(path, cfg.model.embedding_dim, flag)
@@ -247,6 +248,8 @@ def recorded_classes(path: str | Path, cfg: RunConfig, flag: str = "") -> int | 
         return None
     found, _ = read_header(path / ckpt.MODEL, flag)
     name = CLASSIFIER[cfg.task]
+    if cfg.task == "metric" and name not in found:  # an embedding network without class centres (vtrain convert)
+        return 0
     if name not in found or len(found[name][0]) != 2:
         raise ContentError(f"{located(path / ckpt.MODEL, flag)}: lacks the {cfg.task} classifier {name}")
     classes = found[name][0][0]

@@ -52,7 +52,7 @@ class GracefulInterrupt:
 
     def _handle(self, signum: int, frame) -> None:
         if os.getpid() != self._pid:
-            # a forked child (vtrain forks none since issue 18 §5, but a library may) inherits this handler; it
+            # a forked child (vtrain forks none, docs/input_limits.md §5, but a library may) inherits this handler; it
             # has no step to finish, and its parent may wait for the SIGTERM it sends to kill it: die as by default
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)

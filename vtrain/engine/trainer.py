@@ -22,7 +22,7 @@ from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import SkipBadSamples
 from vtrain.dist import agreed, all_mean_, broadcast_from_main, gather_objects, leave
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import autoplan, content, determinism, faults, head_shard, rundir
+from vtrain.engine import autoplan, content, determinism, faults, head_shard, pretrained, rundir
 from vtrain.engine.checkpointer import Checkpointer
 from vtrain.engine.compile import compile_regions
 from vtrain.engine.ema import WeightEMA
@@ -169,10 +169,11 @@ class Trainer:
         cfg, file = self.cfg, self.cfg.train.resume_weights_only
         msg = ""
         if cfg.model.pretrained and self.resumed_from is None:
-            content.expect_tensors(cfg.model.pretrained, None, "--pretrained")
-            msg = self.task.load_pretrained(model)
+            src = pretrained.resolve(cfg.model.pretrained)  # a file, or a checkpoint with its class names
+            content.expect_tensors(src.weights, None, "--pretrained")
+            msg = self.task.load_pretrained(model, src.weights, src.categories)
             if self.head is not None:  # a full model file's head.weight (consolidated): this rank's rows
-                msg += self.head.take_rows(read_state_dict(cfg.model.pretrained))
+                msg += self.head.take_rows(read_state_dict(src.weights))
         if file:
             sd = read_state_dict(file)
             spec = content.spec_of(model.state_dict(), exact=False)

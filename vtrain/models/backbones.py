@@ -11,8 +11,10 @@ from torch import nn
 
 from vtrain.errors import VtrainError
 from vtrain.models.checkpointing import backbone_units, set_recompute
+from vtrain.models.formats import convert_hint, detect, unwrap
 from vtrain.models.swin_attention import use_shared_bias_attention
 from vtrain.presets import METRIC_PRESETS
+from vtrain.safeio import load_published
 
 
 def build_backbone(preset: str, image_size: int, drop_path: float | None = None) -> nn.Module:
@@ -29,25 +31,29 @@ def build_backbone(preset: str, image_size: int, drop_path: float | None = None)
     return model
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Load a weights file (.safetensors, .pt/.pth/.bin) on CPU; unwrap common `{"model": ...}` containers."""
+def read_state_dict(path: str | Path, flag: str = "") -> dict[str, torch.Tensor]:
+    """Load a weights file (.safetensors, .pt/.pth/.bin) on CPU; unwrap common `{"model": ...}` containers. A
+    published checkpoint of another codebase (models/formats.py) is one error naming it and the `vtrain convert`
+    that reads it: its tensor names are not vtrain's or timm's."""
     path = Path(path)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
             sd = load_file(str(path))
-        else:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
+        else:  # weights-only, admitting the data-only classes published files hold (an IDEA DINO `args` Namespace)
+            sd = load_published(path)
     except VtrainError:  # e.g. safeio's refusal of a pickle that would run code: already one clear line
         raise
     except Exception as e:  # corrupt or foreign file: a user problem, not a crash
         raise VtrainError(f"cannot read weights from {path}: {' '.join(str(e).split())[:300]}") from None
-    for key in ("state_dict", "model", "module"):
-        if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
-            sd = sd[key]
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+    sd, _ = unwrap(sd)
+    if sd is None:
         raise VtrainError(f"{path} does not hold a state dict of tensors")
+    published = detect(sd)
+    if published is not None:
+        hint = convert_hint(str(path), published)
+        raise VtrainError(f"{flag}: {hint}" if flag else hint)
     return sd
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from vtrain.models.backbones import build_backbone
 from vtrain.models.checkpointing import backbone_units
+from vtrain.presets import METRIC_PRESETS
 
 
 class EmbeddingNeck(nn.Module):
@@ -23,6 +24,22 @@ class EmbeddingNeck(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.proj(x))
+
+
+class FlattenNeck(nn.Module):
+    """arcface_torch's ViT feature layer (docs/face.md §5): every token's features flattened, Linear (no bias) to the
+    token width + norm, Linear (no bias) to the embedding + norm; its BatchNorms use eps 2e-5. Input (B, N, C)."""
+
+    def __init__(self, tokens: int, width: int, dim: int, norm: str = "bn") -> None:
+        super().__init__()
+        make = {"bn": lambda n: nn.BatchNorm1d(n, eps=2e-5), "ln": nn.LayerNorm, "none": lambda n: nn.Identity()}[norm]
+        self.reduce = nn.Linear(tokens * width, width, bias=norm == "none")
+        self.reduce_norm = make(width)
+        self.proj = nn.Linear(width, dim, bias=norm == "none")
+        self.norm = make(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(self.reduce_norm(self.reduce(x.flatten(1)))))
 
 
 def margin_target(target: torch.Tensor, kind: str, margin: float) -> torch.Tensor:
@@ -72,7 +89,10 @@ class MetricModel(nn.Module):
                  drop_path: float | None = None) -> None:
         super().__init__()
         self.backbone = build_backbone(preset, image_size, drop_path)
-        self.neck = EmbeddingNeck(self.backbone.num_features, embedding_dim, neck_norm)
+        width = self.backbone.num_features
+        self.neck: nn.Module = EmbeddingNeck(width, embedding_dim, neck_norm)
+        if METRIC_PRESETS[preset]().neck == "flatten":  # every token, not a pooled vector (presets.py)
+            self.neck = FlattenNeck(self.backbone.patch_embed.num_patches, width, embedding_dim, neck_norm)
         # num_classes 0: no head in the module (--head-parallel sharded keeps its class shard outside the module
         # the engine wraps, engine/head_shard.py; sharded checkpoints' model.safetensors holds no head)
         self.head = MarginHead(embedding_dim, num_classes, head, margin, scale) if num_classes else None

@@ -1,5 +1,5 @@
 """Swin window attention with one shared bias per mask pattern: timm's Swin blocks, minus the
-(batch x windows x heads x N x N) tensors they build at detection sizes (issue 11 §2).
+(batch x windows x heads x N x N) tensors they build at detection sizes (benchmarks/RESULTS.md, Swin attention masks).
 
 timm's `SwinTransformerBlock` (1.0.31) spends memory on N x N tensors per window and head (N = window area):
 - its default attention path (fused SDPA is "experimental" for Swin and off unless TIMM_FUSED_ATTN=2) computes

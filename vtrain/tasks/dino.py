@@ -11,7 +11,7 @@ import torch
 from rich.table import Table
 from torch.utils.data import DataLoader, Subset
 
-from vtrain.config import RunConfig
+from vtrain.config import MIN_DETECTION_SIZE, RunConfig
 from vtrain.data.coco import CocoDetection, collate
 from vtrain.data.demo import data_root
 from vtrain.data.hf import HfSplits, is_hf
@@ -23,6 +23,8 @@ from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
 from vtrain.files import write_json_atomic
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.dino import DINO, postprocess
+from vtrain.models.dino.class_rows import (carry_rows, class_count, class_keys, describe_keys, describe_plan,
+                                           misfit_class_tensors, plan_rows)
 from vtrain.tasks.model import build_model
 
 @dataclass
@@ -60,6 +62,26 @@ def test_sizes(image_size: int, max_size: int | None) -> tuple[int, int]:
     long side at most max_size, by default image_size * 1333 / 800 (the recipe's 800/1333, docs/dino.md §1.1).
     The one place that rule is written."""
     return image_size, max_size or round(image_size * 1333 / 800)
+
+
+def chosen_test_sizes(image_size: int | None, max_size: int | None, run_size: int,
+                      run_max: int | None) -> tuple[int, int]:
+    """The test resize of `vtrain eval` / `vtrain predict`: the run's (test_sizes of its --image-size and
+    --max-size) unless --image-size / --max-size are given. --image-size alone takes the recipe's long side with
+    it (image_size * 1333 / 800); --max-size alone keeps the run's short side. Only the evaluation transform
+    changes: the model is the checkpoint's. Bad values are one-line errors naming the flag."""
+    for flag, value, high in (("--image-size", image_size, 8192), ("--max-size", max_size, 16384)):
+        if value is not None and not MIN_DETECTION_SIZE <= value <= high:
+            raise VtrainError(f"{flag}: must be in {MIN_DETECTION_SIZE}..{high} pixels (the coarsest DINO feature "
+                              f"stride is 64), got {value}")
+    if image_size is None and max_size is None:
+        return test_sizes(run_size, run_max)
+    size = run_size if image_size is None else image_size
+    longest = test_sizes(size, None)[1] if max_size is None else max_size
+    if longest <= size:  # torchvision's Resize needs the cap above the short side
+        named = "--image-size" if image_size is not None else "the run's --image-size"
+        raise VtrainError(f"--max-size: must be above the short side {size} ({named}), got {longest}")
+    return size, longest
 
 
 class DinoTask:
@@ -110,6 +132,13 @@ class DinoTask:
                                       train=False, max_pixels=limit)
         return self._val
 
+    def set_test_sizes(self, size: int, max_size: int) -> None:
+        """Evaluate at another test resize than the run's (`vtrain eval --image-size/--max-size`): before the
+        evaluation data is first read."""
+        if self._val is not None:
+            raise RuntimeError("set_test_sizes after the evaluation data was read")
+        self.size, self.max_size = size, max_size
+
     def check_eval_data(self) -> None:
         """Load and check the evaluation set now (at the start of training), not first at evaluation time."""
         self.val_dataset()
@@ -123,29 +152,54 @@ class DinoTask:
         n = num_classes if num_classes is not None else self.train_dataset().num_classes
         return build_model(self.name, self.cfg.model, n)
 
-    def load_pretrained(self, model: DINO) -> str:
-        """--pretrained: a full detector file (vtrain keys) or a backbone file in timm or original Swin/ResNet
-        layout. Class-specific tensors of another class count are left at their initialisation."""
+    def load_pretrained(self, model: DINO, weights: str | Path | None = None,
+                        categories: list[dict[str, Any]] | None = None) -> str:
+        """--pretrained: a full detector file (vtrain keys; `weights`, default the flag's file) or a backbone file in
+        timm or original Swin/ResNet layout. A detector of other classes keeps every tensor but the class rows,
+        which are carried over by name where `categories` (the checkpoint's, in label order) name the same class
+        and keep the model's initialisation otherwise (models/dino/class_rows.py). Returns the one log line."""
         m = self.cfg.model
-        path = m.pretrained
-        sd = read_state_dict(path)
+        path = str(weights or m.pretrained)
+        sd = read_state_dict(path, "--pretrained")
         if any(k.startswith("backbone.body.") for k in sd):
-            own = model.state_dict()
-            unexpected = [k for k in sd if k not in own]
-            reinit = [k for k in sd if k in own and sd[k].shape != own[k].shape]
-            keep = {k: v for k, v in sd.items() if k in own and k not in reinit}
-            res = model.load_state_dict(keep, strict=False)
-            missing = [k for k in res.missing_keys if k not in reinit]
-            share = check_match(path, "detector", len(own) - len(res.missing_keys), len(own) - len(reinit),
-                                m.pretrained_min_match, m.allow_partial_pretrained)
-            return (f"loaded detector {path}: {share}, missing {len(missing)} {missing[:3]}, unexpected "
-                    f"{len(unexpected)} {unexpected[:3]}, re-initialised (other shape) {len(reinit)} {reinit[:3]}")
+            return self._load_detector(model, sd, path, categories)
         missing, unexpected = load_backbone_weights(model.backbone.body, sd)
         total = len(model.backbone.body.state_dict())
         share = check_match(path, "backbone", total - len(missing), total, m.pretrained_min_match,
                             m.allow_partial_pretrained)
         return (f"loaded backbone {path}: {share}, missing {len(missing)} {missing[:3]}, unused {len(unexpected)} "
                 f"{unexpected[:3]}")
+
+    def _load_detector(self, model: DINO, sd: dict[str, torch.Tensor], path: str,
+                       categories: list[dict[str, Any]] | None) -> str:
+        m = self.cfg.model
+        own = model.state_dict()
+        keys = class_keys(list(own))
+        old, new = class_count(sd), model.num_classes
+        if categories is not None and old is not None and len(categories) != old:
+            raise VtrainError(f"--pretrained: {path}: its categories list {len(categories)} classes but its class "
+                              f"heads have {old} rows")
+        misfit = [k for k in sd if k in own and k not in keys and sd[k].shape != own[k].shape]
+        misfit += misfit_class_tensors(sd, own, old if old is not None else new, new)
+        missing = [k for k in own if k not in sd]
+        unexpected = [k for k in sd if k not in own]
+        if (misfit or missing or unexpected) and not m.allow_partial_pretrained:
+            raise VtrainError(f"--pretrained: {path} is a detector of another architecture than --model {m.preset}: "
+                              + "; ".join(_mismatch(misfit, missing, unexpected, sd, own))
+                              + " (--allow-partial-pretrained loads the tensors that fit)")
+        skip = set(misfit) | set(keys)
+        keep = {k: v for k, v in sd.items() if k in own and k not in skip}
+        if old is not None and not any(k in misfit for k in keys):
+            plan = plan_rows(old, new, categories, self.train_dataset().categories)
+            keep.update(carry_rows(sd, own, plan))
+            classes = f"; {describe_plan(plan, self.train_dataset().categories, keys)}"
+        else:
+            classes = f"; class tensors ({describe_keys(keys)}) re-initialised ({new} classes)"
+        res = model.load_state_dict(keep, strict=False)
+        loaded = len(own) - len(res.missing_keys)
+        share = check_match(path, "detector", loaded, len(own), m.pretrained_min_match, m.allow_partial_pretrained)
+        rest = "; ".join(_mismatch(misfit, missing, unexpected, sd, own))
+        return f"loaded detector {path}: {share}{classes}" + (f"; not loaded: {rest}" if rest else "")
 
     # ---- evaluation ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -199,6 +253,19 @@ class DinoTask:
         for r in metrics.get("per_class", []):
             t.add_row(str(r["id"]), r["name"], str(r["gt"]), _pct(r["AP"]), _pct(r["AP50"]), _pct(r["AP75"]))
         return t
+
+
+def _mismatch(misfit: list[str], missing: list[str], unexpected: list[str], sd: dict[str, torch.Tensor],
+              own: dict[str, torch.Tensor]) -> list[str]:
+    """The differences between a detector file and the model, each with its count and first three names."""
+    out = []
+    if misfit:
+        shown = ", ".join(f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in misfit[:3])
+        out.append(f"{len(misfit)} tensors of another shape ({shown}{', ...' if len(misfit) > 3 else ''})")
+    for what, names in (("missing from the file", missing), ("not in the model", unexpected)):
+        if names:
+            out.append(f"{len(names)} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    return out
 
 
 def _pct(v: float | None) -> str:

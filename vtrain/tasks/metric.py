@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,26 +96,40 @@ class MetricTask:
         n = num_classes if num_classes is not None else self.train_dataset().num_classes
         return build_model(self.name, self.cfg.model, n)
 
-    def load_pretrained(self, model: MetricModel) -> str:
-        """Load --pretrained: a full vtrain model file (keys backbone./neck./head.) or a timm backbone file."""
+    def load_pretrained(self, model: MetricModel, weights: str | Path | None = None,
+                        categories: list[dict[str, Any]] | None = None) -> str:
+        """Load --pretrained (`weights`, default the flag's file): a full vtrain model file (keys backbone./neck./
+        head.) or a timm backbone file. A model of another identity count keeps backbone and neck and starts a fresh
+        margin head; any other tensor of another shape is an error (a file of another model). `categories`: unused
+        (detection's class names)."""
         m = self.cfg.model
-        sd = read_state_dict(m.pretrained)
+        path = str(weights or m.pretrained)
+        sd = read_state_dict(path, "--pretrained")
         if any(k.startswith("backbone.") for k in sd):
             own = model.state_dict()
-            head_ok = "head.weight" in own and sd.get("head.weight", torch.empty(0)).shape == own["head.weight"].shape
-            if not head_ok:  # a different identity count: keep backbone and neck, fresh head
-                sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
-            sd = {k: v for k, v in sd.items() if k not in own or v.shape == own[k].shape}
+            note = ""
+            if "head.weight" in own and "head.weight" not in sd:  # an embedding network (e.g. vtrain convert's)
+                note = f"; head.weight initialised for {own['head.weight'].shape[0]} identities (the file has none)"
+            elif "head.weight" in own and sd["head.weight"].shape != own["head.weight"].shape:
+                old, new = sd["head.weight"].shape[0], own["head.weight"].shape[0]
+                if sd["head.weight"].shape[1:] == own["head.weight"].shape[1:]:  # a different identity count
+                    note = f"; head.weight re-initialised for {old} → {new} identities"
+                    sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
+            misfit = [k for k, v in sd.items() if k in own and v.shape != own[k].shape]
+            if misfit and not m.allow_partial_pretrained:
+                shown = ", ".join(f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in misfit[:3])
+                raise VtrainError(f"--pretrained: {path} does not fit --model {m.preset}: {len(misfit)} tensors of "
+                                  f"another shape ({shown}) (--allow-partial-pretrained loads the tensors that fit)")
+            sd = {k: v for k, v in sd.items() if k not in misfit}
             res = model.load_state_dict(sd, strict=False)
-            share = check_match(m.pretrained, "model", len(own) - len(res.missing_keys), len(own),
+            share = check_match(path, "model", len(own) - len(res.missing_keys), len(own),
                                 m.pretrained_min_match, m.allow_partial_pretrained)
-            return (f"loaded {m.pretrained}: {share}, unexpected {len(res.unexpected_keys)}"
-                    + ("" if head_ok else " (head re-initialised)"))
+            return f"loaded {path}: {share}, unexpected {len(res.unexpected_keys)}{note}"
         missing, unexpected = load_backbone_weights(model.backbone, sd)
         total = len(model.backbone.state_dict())
-        share = check_match(m.pretrained, "backbone", total - len(missing), total, m.pretrained_min_match,
+        share = check_match(path, "backbone", total - len(missing), total, m.pretrained_min_match,
                             m.allow_partial_pretrained)
-        return f"loaded backbone {m.pretrained}: {share}, missing {len(missing)} {missing[:3]}, unused " \
+        return f"loaded backbone {path}: {share}, missing {len(missing)} {missing[:3]}, unused " \
                f"{len(unexpected)} {unexpected[:3]}"
 
     # ---- evaluation ---------------------------------------------------------------------------------------

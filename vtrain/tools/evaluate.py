@@ -21,6 +21,7 @@ from vtrain.engine.ema import weights_file
 from vtrain.errors import VtrainError, shown
 from vtrain.models.backbones import load_strict
 from vtrain.tasks import build_model, build_task
+from vtrain.tasks.dino import chosen_test_sizes
 
 
 @dataclass
@@ -99,12 +100,15 @@ TASK_FLAGS = {"metric": (("val_path", "--val-data"), ("pairs_file", "--pairs"), 
 
 def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int | None = None,
                         task_name: str | None = None, save_predictions: str | None = None,
-                        weights_choice: str | None = None, overwrite: bool = False) -> tuple[Any, dict]:
+                        weights_choice: str | None = None, overwrite: bool = False, image_size: int | None = None,
+                        max_size: int | None = None) -> tuple[Any, dict]:
     """Returns (task, metrics); metrics["weights"] says which weights were evaluated (ema | model). `data` holds
     DataConfig overrides (path, val_path, pairs_file, val_ann, ...); unset values fall back to the data the run was
     trained on. `weights_choice`: ema, model or None (EMA when present). `save_predictions` is refused when it
     exists (unless `overwrite`) or lies in a checkpoint, before anything is evaluated; it and the other data flags
-    of one task are refused for the other task's checkpoint. `batch_size`: None is the run's micro-batch."""
+    of one task are refused for the other task's checkpoint. `batch_size`: None is the run's micro-batch.
+    `image_size` / `max_size`: detection's test resize instead of the run's (tasks/dino.py: chosen_test_sizes);
+    metrics["test_size"] is the one used."""
     if batch_size is not None and batch_size < 1:  # 0 is refused, never taken for "not given"
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
     if save_predictions:
@@ -114,8 +118,9 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     given = {k: v for k, v in data.items() if v is not None}
     # a flag of the other task's evaluation would be accepted and then ignored: refused, naming the checkpoint's
     foreign = [flag for key, flag in TASK_FLAGS["metric" if cfg.task == "dino" else "dino"] if given.get(key)]
-    if save_predictions and cfg.task != "dino":  # the metric evaluation writes no predictions
-        foreign.append("--save-predictions")
+    if cfg.task != "dino":  # the metric evaluation writes no predictions; a face model's input size is its own
+        foreign += [flag for flag, v in (("--save-predictions", save_predictions), ("--image-size", image_size),
+                                         ("--max-size", max_size)) if v is not None]
     if foreign:
         raise VtrainError(f"{foreign[0]}: only for {'face (metric)' if cfg.task == 'dino' else 'detection'} "
                           f"checkpoints; {loaded.path} is a {cfg.task} checkpoint")
@@ -128,6 +133,8 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     cfg = replace(cfg, data=DataConfig(**merged),
                   train=replace(cfg.train, batch_size=cfg.train.batch_size if batch_size is None else batch_size))
     task = build_task(cfg)
+    if cfg.task == "dino":
+        task.set_test_sizes(*chosen_test_sizes(image_size, max_size, cfg.model.image_size, cfg.data.max_size))
     model = loaded.model
     metrics = task.evaluate(lambda **inputs: model(**inputs), loaded.device, save_predictions=save_predictions)
     if metrics is None:
@@ -137,4 +144,6 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
             else "--val-data (held-out identities), --pairs or --val-targets / --data X.bin (verification packs)"
         raise VtrainError(f"nothing to evaluate on: give {hint}")
     metrics["weights"] = loaded.weights
+    if cfg.task == "dino":
+        metrics["test_size"] = [task.size, task.max_size]
     return task, metrics

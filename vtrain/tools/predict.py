@@ -45,7 +45,7 @@ from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_detections
 from vtrain.files import write_json_atomic
 from vtrain.models.dino import postprocess
-from vtrain.tasks.dino import test_sizes
+from vtrain.tasks.dino import chosen_test_sizes
 from vtrain.tasks.metric import flip_embeddings
 from vtrain.tools.evaluate import checkpoint_task, load_model
 
@@ -69,6 +69,8 @@ class PredictReport:
     device: str = "cpu"
     score_threshold: float | None = None
     """Detection: the threshold the boxes were kept at."""
+    test_size: tuple[int, int] | None = None
+    """Detection: the test resize used, (short side, longest side cap)."""
 
 
 def find_images(inputs: list[str]) -> list[tuple[Path, str]]:
@@ -173,7 +175,8 @@ def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: st
     _max_pixels(options.get("max_pixels"), {})  # a bad limit is reported before anything is loaded
     task = task or checkpoint_task(checkpoint)
     if task == "metric":
-        for key, flag in (("ann", "--ann"), ("score_threshold", "--score-threshold")):  # else silently unused
+        for key, flag in (("ann", "--ann"), ("score_threshold", "--score-threshold"), ("image_size", "--image-size"),
+                          ("max_size", "--max-size")):  # else silently unused (a face model's input size is its own)
             if options.pop(key, None) is not None:
                 raise VtrainError(f"{flag}: only for detection checkpoints")
         return predict_embeddings(checkpoint, inputs, out, **options)
@@ -184,10 +187,12 @@ def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: st
 def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path,
                       score_threshold: float | None = None,
                       batch_size: int | None = None, ann: str | None = None, num_workers: int = 2,
-                      max_pixels: int | None = None, overwrite: bool = False) -> PredictReport:
+                      max_pixels: int | None = None, overwrite: bool = False, image_size: int | None = None,
+                      max_size: int | None = None) -> PredictReport:
     """Draw and write the detections of every input image (see the module docstring). `ann`: a COCO annotation
     file whose `file_name`s give the image ids (and the class names if the checkpoint has none); otherwise the
-    ids are 1..N in input order."""
+    ids are 1..N in input order. `image_size` / `max_size`: the test resize instead of the run's
+    (tasks/dino.py: chosen_test_sizes)."""
     score_threshold = SCORE_THRESHOLD if score_threshold is None else score_threshold
     if not 0.0 <= score_threshold <= 1.0:
         raise VtrainError(f"--score-threshold: must be in [0, 1], got {score_threshold}")
@@ -213,7 +218,8 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
         raise VtrainError(f"the model has {model.num_classes} classes but {len(categories)} categories are known "
                           f"({'--ann ' + str(ann) if not loaded.categories else loaded.path})")
     cat_ids = [c["id"] for c in categories]
-    size, max_size = test_sizes(loaded.cfg.model.image_size, loaded.saved_data.get("max_size"))
+    size, max_size = chosen_test_sizes(image_size, max_size, loaded.cfg.model.image_size,
+                                       loaded.saved_data.get("max_size"))
     load = _DetectionInput(test_transforms(size, max_size), _max_pixels(max_pixels, loaded.saved_data))
     loader = _loader([f for f, _ in found], load, _batch(batch_size, loaded.cfg), num_workers,
                      _collate_with_originals, device)
@@ -234,7 +240,8 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
                 # write, leaving a truncated JPEG under its final name with no error (guarded.py)
                 guarded.write_bytes(outputs[i], memoryview(encode_jpeg(drawn, quality=95).numpy()))
     write_json_atomic(out / "predictions.json", dets)
-    return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device), score_threshold)
+    return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device), score_threshold,
+                         (size, max_size))
 
 
 class _DetectionInput:

@@ -1,0 +1,63 @@
+"""arcface_torch ViT -> vtrain's `*-af` presets (`vtrain convert --from arcface-vit`, docs/convert.md §3).
+
+arcface_torch (insightface recognition/arcface_torch/backbones/vit.py) names its transformer as timm does (patch
+embedding, position embedding, blocks with norm1/attn.qkv/attn.proj/norm2/mlp.fc1/mlp.fc2, final norm), so those
+tensors keep their names under `backbone.`; its feature layer `feature.0-3` (Linear, BatchNorm1d, Linear,
+BatchNorm1d) is vtrain's FlattenNeck (models/metric.py). `mask_token` fills the masked tokens of its train-time
+token masking, which vtrain does not do: it is left out, and no inference path reads it.
+
+Tensor names outside these patterns (a class token, a qkv bias, BatchNorm token norms of `norm_layer="bn"`) are
+other variants: they stay unmatched and `vtrain convert` refuses the file, naming them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from vtrain.models.formats import AdapterError, Converted
+from vtrain.presets import METRIC_PRESETS
+
+# arcface_torch's transformer tensors, which vtrain's timm backbone names alike
+_BACKBONE = re.compile(r"^(pos_embed|patch_embed\.proj\.(weight|bias)|norm\.(weight|bias)|"
+                       r"blocks\.\d+\.(norm[12]\.(weight|bias)|attn\.qkv\.weight|attn\.proj\.(weight|bias)|"
+                       r"mlp\.fc[12]\.(weight|bias)))$")
+_BN = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+# feature.0 Linear (tokens x width -> width), feature.1 BatchNorm1d, feature.2 Linear (width -> embedding), feature.3
+_NECK = {"feature.0.weight": "neck.reduce.weight", "feature.2.weight": "neck.proj.weight",
+         **{f"feature.1.{s}": f"neck.reduce_norm.{s}" for s in _BN},
+         **{f"feature.3.{s}": f"neck.norm.{s}" for s in _BN}}
+UNUSED = {"mask_token": "arcface_torch's train-time token masking (mask_ratio), which vtrain does not do"}
+
+
+def preset_for(width: int, depth: int) -> str | None:
+    """The `*-af` preset of this width and depth, if one has them."""
+    for name, make in METRIC_PRESETS.items():
+        p = make()
+        if p.neck == "flatten" and (p.kwargs["embed_dim"], p.kwargs["depth"]) == (width, depth):
+            return name
+    return None
+
+
+def from_arcface_vit(sd: dict[str, torch.Tensor], whole: object = None) -> Converted:
+    """Map an arcface_torch ViT state dict (model.pt, or `state_dict_backbone` of checkpoint_gpu_<rank>.pt)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if _BACKBONE.match(name):
+            tensors[f"backbone.{name}"] = t
+        elif name in _NECK:
+            tensors[_NECK[name]] = t
+    if "pos_embed" not in sd or sd["pos_embed"].ndim != 3 or "feature.3.running_mean" not in sd:
+        raise AdapterError("an arcface_torch ViT file has `pos_embed` (1, tokens, width) and `feature.3`; this one "
+                           "lacks them")
+    width = sd["pos_embed"].shape[-1]
+    depth = len({int(m.group(1)) for n in sd if (m := re.match(r"blocks\.(\d+)\.", n))})
+    model = {"embedding_dim": int(sd["feature.3.running_mean"].shape[0]), "image_size": 112, "neck_norm": "bn"}
+    preset = preset_for(width, depth)
+    if preset is not None:
+        model["preset"] = preset
+    notes = [f"arcface_torch ViT: width {width}, depth {depth}, {sd['pos_embed'].shape[1]} tokens, embedding "
+             f"{model['embedding_dim']}" + (f" (preset {preset})" if preset else " (no preset has these sizes)")]
+    return Converted(tensors, set(n for n in sd if _BACKBONE.match(n) or n in _NECK),
+                     {n: why for n, why in UNUSED.items() if n in sd}, model, num_classes=0, notes=notes)

@@ -1,0 +1,224 @@
+"""`vtrain convert SRC OUT --from SOURCE`: a published checkpoint of another codebase -> a vtrain run directory
+whose checkpoint `vtrain eval`, `predict`, `export` and `train --pretrained` accept as they are (docs/convert.md).
+
+The steps, each a one-line error when it fails, nothing written before the last:
+1. OUT is claimed: a new directory (or an empty one); an earlier `vtrain convert` output only with --overwrite;
+   never a directory vtrain did not write, never inside a checkpoint.
+2. SRC is read without running code from it (safeio.load_published: weights-only, a small allowlist).
+3. Its format is recognised by its tensor names (models/formats.py): a file of another source names that source.
+4. The source's adapter (one module per source, beside the model it fills) maps every tensor; a source tensor the
+   adapter neither maps nor lists as known-unused is refused, naming it.
+5. The model of the preset is built on the meta device and every one of its tensors must be filled with its shape;
+   the first missing or mis-shaped ones are named.
+6. The run directory is staged beside OUT and renamed into place: run marker, config.yaml, and
+   checkpoints/step_0 (model.safetensors, config.yaml, train_state.json, categories.json for detection) under a
+   verified manifest (engine/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from vtrain import guarded
+from vtrain.config import build_config
+from vtrain.engine import checkpoint as ckpt
+from vtrain.engine import rundir
+from vtrain.errors import VtrainError
+from vtrain.models.formats import CONTAINERS, FORMATS, Converted, detect, unwrap
+from vtrain.models.metric_adapters.arcface import from_arcface_vit
+from vtrain.safeio import load_published
+from vtrain.tasks import build_model
+
+Adapter = Callable[[dict[str, torch.Tensor], Any], Converted]
+
+
+@dataclass(frozen=True)
+class Source:
+    adapter: Adapter
+    """(source state dict, the whole loaded file) -> Converted."""
+    preset: str
+    """The preset used when neither --model nor the file's shapes name one."""
+    task: str
+
+
+# `--from` names (each also a key of models/formats.FORMATS, which recognises its files)
+SOURCES: dict[str, Source] = {
+    "arcface-vit": Source(from_arcface_vit, "vit-t-af", "metric"),
+}
+
+STEP = 0  # the converted weights are checkpoint step_0 of the new run directory
+
+
+@dataclass
+class Report:
+    out: Path
+    checkpoint: Path
+    preset: str
+    filled: int
+    """Model tensors filled (all of them)."""
+    unused: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def convert(src: str | Path, out: str | Path, source: str, preset: str | None = None,
+            overwrite: bool = False) -> Report:
+    """Convert `src` (a `source` checkpoint) into the run directory `out` (see the module docstring)."""
+    src, out = Path(src), Path(out)
+    if source not in SOURCES:
+        raise VtrainError(f"--from: unknown source {source!r}; choose one of {', '.join(SOURCES)}")
+    spec = SOURCES[source]
+    replaced = claim(out, overwrite)
+    if not src.is_file():
+        raise VtrainError(f"SRC: {src} is not a file")
+    whole = load_published(src)
+    sd, _ = unwrap(whole)
+    if sd is None:
+        raise VtrainError(f"SRC: {src} holds no state dict of tensors (neither at the top nor under "
+                          f"{', '.join(CONTAINERS)})")
+    found = detect(sd)
+    if found != source:
+        if found is not None:
+            raise VtrainError(f"--from {source}: {src} is {FORMATS[found].description} checkpoint, not "
+                              f"{FORMATS[source].description} one; use --from {found}")
+        raise VtrainError(f"--from {source}: {src} is not {FORMATS[source].description} checkpoint (it lacks "
+                          f"{_lacks(FORMATS[source], sd)}; it holds e.g. {', '.join(sorted(sd)[:3])})")
+    conv = spec.adapter(sd, whole)
+    strange = sorted(set(sd) - conv.read - set(conv.unused))
+    if strange:
+        raise VtrainError(f"SRC: {src} holds {len(strange)} tensors that the {source} converter does not know, e.g. "
+                          f"{', '.join(strange[:3])} (another variant of the model?); refusing to drop them")
+    name = preset or conv.model.get("preset") or spec.preset
+    cfg = build_config(spec.task, overrides={"model": {**conv.model, "preset": name},
+                                             "train": {"output_dir": str(out)}})
+    with torch.device("meta"):  # names, shapes and dtypes only: no memory, however large the model
+        own = build_model(spec.task, cfg.model, conv.num_classes).state_dict()
+    tensors = fill(own, conv.tensors, f"--model {name}")
+    written = write(out, replaced, cfg, tensors, conv.categories, {"source": source, "file": str(src.resolve())})
+    return Report(out, written, name, len(tensors), conv.unused, conv.notes)
+
+
+def _lacks(fmt, sd: dict[str, torch.Tensor]) -> str:
+    names = set(sd)
+    missing = [k for k in fmt.keys if k not in names] + [f"{p}*" for p in fmt.prefixes
+                                                         if not any(n.startswith(p) for n in names)]
+    return ", ".join(missing[:3])
+
+
+def fill(own: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the model (`own`: its state dict, e.g. on the meta device) from `tensors`, in its dtype and
+    shape; the missing, mis-shaped or extra ones are one error naming the first of them."""
+    missing = [k for k in own if k not in tensors]
+    if missing:
+        raise VtrainError(f"{what}: the converted file leaves {len(missing)} of the model's {len(own)} tensors empty: "
+                          f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    extra = [k for k in tensors if k not in own]
+    if extra:
+        raise VtrainError(f"{what}: the model has no tensor {extra[0]} ({len(extra)} converted tensors have no place "
+                          "in it); is it the preset of this file?")
+    bad = [k for k in own if tuple(tensors[k].shape) != tuple(own[k].shape)]
+    if bad:
+        k = bad[0]
+        raise VtrainError(f"{what}: {len(bad)} tensors differ in shape, e.g. {k}: {tuple(tensors[k].shape)} in the "
+                          f"file, {tuple(own[k].shape)} in the model; is it the preset of this file?")
+    return {k: tensors[k].detach().to(own[k].dtype).contiguous() for k in own}
+
+
+# ---- the output directory ---------------------------------------------------------------------------------------
+
+def claim(out: Path, overwrite: bool) -> bool:
+    """Check OUT before anything is read or written. Returns whether an earlier conversion is to be replaced."""
+    problem = guarded.utf8_problem(out)
+    if problem is not None:
+        raise VtrainError(f"OUT: {problem}")
+    holder = ckpt.inside_checkpoint(out)
+    if holder is not None:
+        raise VtrainError(f"OUT: {out} is inside the checkpoint {holder}; vtrain never writes into a checkpoint")
+    if out.is_symlink() or (out.exists() and guarded.is_mount(out)):
+        raise VtrainError(f"OUT: {guarded.describe_crossing(out)}; give a new directory")
+    if not os.path.lexists(out) or (out.is_dir() and not any(out.iterdir())):
+        return False
+    if not out.is_dir():
+        raise VtrainError(f"OUT: {out} exists and is not a directory")
+    foreign = not_converted(out)
+    if foreign is not None:
+        raise VtrainError(f"OUT: {out} exists and is not a directory vtrain convert wrote ({foreign}); it replaces "
+                          "only its own output: choose a new OUT")
+    if not overwrite:
+        raise VtrainError(f"OUT: {out} holds an earlier conversion; --overwrite replaces it")
+    return True
+
+
+def not_converted(out: Path) -> str | None:
+    """Why `out` is not exactly a directory `vtrain convert` wrote (None when it is): its marker records the
+    conversion, and it holds nothing but the marker, config.yaml and the verified checkpoint step_0."""
+    try:
+        marker = json.loads((out / rundir.MARKER).read_text())
+        if not (isinstance(marker, dict) and marker.get("format") == rundir.MARKER_FORMAT
+                and isinstance(marker.get("converted_from"), dict)):
+            return f"its {rundir.MARKER} records no conversion"
+    except (OSError, ValueError, RecursionError):
+        return f"no vtrain run marker {rundir.MARKER}"
+    step = ckpt.final_path(out, STEP)
+    problem = ckpt.verify(step) if step.is_dir() and not step.is_symlink() else f"no {step.relative_to(out)}"
+    if problem is not None:
+        return problem
+    listed = {f"{ckpt.CHECKPOINTS}/step_{STEP}/{r}" for r in [*ckpt.parse_manifest(step).files, ckpt.COMPLETE]}
+    own = listed | {rundir.MARKER, ckpt.CONFIG}
+    for p in sorted(out.rglob("*")):
+        rel = p.relative_to(out).as_posix()
+        if p.is_symlink() or (p.is_file() and rel not in own) or not (p.is_file() or p.is_dir()):
+            return f"it holds {rel}"
+    return None
+
+
+def write(out: Path, replace: bool, cfg, tensors: dict[str, torch.Tensor], categories: list | None,
+          origin: dict[str, Any]) -> Path:
+    """Stage the run directory beside `out`, then rename it into place (replacing an earlier conversion when
+    `replace`); on any error the staging folder is removed and `out` is as it was."""
+    stage = out.parent / f".{out.name}.convert-{uuid.uuid4().hex[:8]}"
+    old = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
+    try:
+        with guarded.disk_op("write", stage):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            stage.mkdir()
+            _stage(stage, cfg, tensors, categories, origin)
+            if replace:
+                os.rename(out, old)
+            elif out.is_dir():  # an empty directory the user made for it
+                out.rmdir()
+            os.rename(stage, out)
+    finally:
+        if stage.exists():
+            guarded.rmtree(out.parent, stage)
+    if old.exists():
+        guarded.rmtree(out.parent, old)
+    return ckpt.final_path(out, STEP)
+
+
+def _stage(stage: Path, cfg, tensors: dict[str, torch.Tensor], categories: list | None,
+           origin: dict[str, Any]) -> None:
+    ckpt.write_json(stage / rundir.MARKER, {"format": rundir.MARKER_FORMAT, "version": 1, "created": time.time(),
+                                            "converted_from": origin})
+    cfg.save(stage / ckpt.CONFIG)
+    tmp = ckpt.begin(stage, STEP, True)
+    save_file(tensors, str(tmp / ckpt.MODEL), metadata={"converted_from": origin["source"]})
+    cfg.save(tmp / ckpt.CONFIG)
+    # a state for the record: no step trained, no optimizer or scheduler (`--resume` from it is refused; start a run
+    # from the weights with `vtrain train --pretrained .../model.safetensors`)
+    ckpt.TrainState(step=0, consumed_samples=0,
+                    scheduler={"base_lrs": [cfg.optim.lr], "last_epoch": 0, "lr_lambdas": [None]},
+                    world_size=1, engine="single").write(tmp)
+    if categories is not None:
+        ckpt.write_json(tmp / ckpt.CATEGORIES, categories)
+    files = ckpt.digest_share(tmp, ckpt.payload_files(tmp))
+    ckpt.commit(stage, STEP, uuid.uuid4().hex, files, keep_last=1)
