@@ -61,13 +61,13 @@ def summary(rows: list[dict]) -> dict:
             "max_dev": max(abs(a - mean) for a in aps), "mean_AP50": statistics.fmean(r["AP50"] for r in rows)}
 
 
-def render(flags: list[str], threads: int, rows: list[dict], s: dict) -> str:
+def render(flags: list[str], threads: int, rows: list[dict], s: dict, extra: str = "") -> str:
     lines = ["# DINO demo over seeds", "",
              "`make demo`'s detection recipe (`debug-resnet` from scratch on the built-in shapes, 40 held-out images, "
              "COCO AP of the final checkpoint), one `--deterministic` run per seed with "
              f"OMP_NUM_THREADS={threads} / `--threads {threads}`, made by", "",
              "    PYTHONPATH=$PWD python benchmarks/demo_seeds.py --seeds " + " ".join(str(r["seed"]) for r in rows)
-             + f" --threads {threads}", "",
+             + f" --threads {threads}" + (f" --extra {shlex.quote(extra)}" if extra else ""), "",
              "Flags: `" + " ".join(flags) + "`", "",
              "| seed | AP | AP50 | AP75 | final loss | time (s) |", "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -98,8 +98,8 @@ def main() -> None:
             s = summary(rows)
             out.with_suffix(".json").write_text(json.dumps({"flags": flags, "threads": args.threads, "runs": rows,
                                                             "summary": s}, indent=1) + "\n")
-            out.with_suffix(".md").write_text(render(flags, args.threads, rows, s))
-    print(render(flags, args.threads, rows, s))
+            out.with_suffix(".md").write_text(render(flags, args.threads, rows, s, args.extra))
+    print(render(flags, args.threads, rows, s, args.extra))
 
 
 if __name__ == "__main__":
