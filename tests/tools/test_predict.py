@@ -12,8 +12,7 @@ import pytest
 import torch
 from torchvision.io import decode_image
 
-from tests.helpers.cli import cli_in_process as cli
-from tests.helpers.cli import faces_dataset, ok, reseal, vtrain
+from tests.helpers.cli import cli_in_process as cli, faces_dataset, ok, reseal, vtrain
 from vtrain.errors import VtrainError
 
 N_IMAGES = 2  # demo training images 000000.jpg and 000001.jpg: 7 shapes

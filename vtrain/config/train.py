@@ -70,6 +70,13 @@ class TrainConfig(Section):
     compile_backend: CompileBackend = field(default="inductor", metadata=NO_FLAG)
     """torch.compile backend for --compile: inductor (generated kernels) or aot_eager (traced and split into forward
     and backward, no code generation: to tell a compiler problem from a tracing one)."""
+    deterministic: bool = False
+    """Bit-identical reruns on one machine: deterministic algorithms only, a fixed intra-op thread count (recorded in
+    train.threads) and data-loader workers seeded from --seed and the rank. A resumed run keeps it and the recorded
+    thread count (docs/determinism.md)."""
+    threads: int = 0
+    """Intra-op CPU threads per process (torch.set_num_threads); 0: torch's default (OMP_NUM_THREADS, else one per
+    core). Results depend on it (docs/determinism.md §2); --deterministic records the count it runs with."""
 
     def __post_init__(self) -> None:
         check = self._check
@@ -93,6 +100,7 @@ class TrainConfig(Section):
         check(0 <= self.ema_warmup <= 10**7, "ema_warmup", f"must be in 0..10000000 steps, got {self.ema_warmup}")
         check(self.ema_warmup == 0 or self.ema_decay > 0, "ema_warmup", "needs --ema-decay > 0")
         check(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
+        check(0 <= self.threads <= 1024, "threads", f"must be in 0..1024 (0: torch's default), got {self.threads}")
         check(self.compile_backend in COMPILE_BACKENDS, "compile_backend",
               f"choose one of {COMPILE_BACKENDS}, got {self.compile_backend!r}")
         if self.keep_best is not None:

@@ -117,6 +117,11 @@ class Checkpointer:
                               f"newest: {notes[0].split('(', 1)[1][:-1]}")
         return None, notes
 
+    def saved_config(self) -> RunConfig | None:
+        """The config the checkpoint to resume recorded (None: a fresh run, or a checkpoint without one)."""
+        path = None if self.resume_from is None else self.resume_from / ckpt.CONFIG
+        return load_run_config(path) if path is not None and path.is_file() else None
+
     @property
     def resume_step(self) -> int:
         return self.resume_state.step if self.resume_state is not None else 0

@@ -19,11 +19,15 @@ from vtrain.errors import BadSample
 
 class MicroBatches:
     def __init__(self, dataset: Dataset, sampler: ShardedEpochSampler, batch_size: int, world: int,
-                 collate_fn: Callable | None, num_workers: int, device: torch.device, skip_bad: bool) -> None:
+                 collate_fn: Callable | None, num_workers: int, device: torch.device, skip_bad: bool,
+                 generator: torch.Generator | None = None) -> None:
         self.dataset, self.sampler, self.batch_size, self.world = dataset, sampler, batch_size, world
         # --skip-bad-images: the samples' lists of skipped files are joined into the batch's `bad` list
         self.collate_fn = CollateWithBadList(collate_fn) if skip_bad else collate_fn
         self.num_workers, self.device = num_workers, device
+        # the loader's own generator (engine/determinism.py): its iterators draw the workers' seeds from it, not
+        # from the global generator whose stream the model's random draws follow
+        self.generator = generator
         self._loader: DataLoader | None = None
 
     def stream(self, consumed_samples: int) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -41,6 +45,7 @@ class MicroBatches:
         loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler,
                             num_workers=workers, drop_last=True, collate_fn=self.collate_fn,
                             persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
+                            generator=self.generator,
                             worker_init_fn=ignore_in_worker, multiprocessing_context=worker_context(workers))
         self._loader = loader
         while True:

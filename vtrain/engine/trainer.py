@@ -22,7 +22,7 @@ from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import SkipBadSamples
 from vtrain.dist import agreed, all_mean_, broadcast_from_main, gather_objects, leave
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import autoplan, content, faults, head_shard, pretrained, rundir
+from vtrain.engine import autoplan, content, determinism, faults, head_shard, pretrained, rundir
 from vtrain.engine.checkpointer import Checkpointer
 from vtrain.engine.compile import compile_regions
 from vtrain.engine.ema import WeightEMA
@@ -72,6 +72,10 @@ class Trainer:
         inherited = pretrained.inherit_model_options(cfg)
         if inherited:
             self.logger_notes.append(inherited)
+        # the thread count and --deterministic (a resume keeps its checkpoint's), before anything is computed and
+        # before config.yaml records them (engine/determinism.py)
+        self.logger_notes += determinism.keep_from_checkpoint(cfg, self.checkpointer.saved_config())
+        self.logger_notes += determinism.apply(cfg, self.accelerator.device)
         if self.is_main:
             cfg.save(self.out / ckpt.CONFIG)
             if t.resume is not None:
@@ -115,7 +119,8 @@ class Trainer:
                               f"{len(dataset)} training images")
         self.dataset = SkipBadSamples(dataset) if cfg.data.skip_bad_images else dataset
         self.batches = MicroBatches(self.dataset, self.sampler, t.batch_size, self.world, self.task.collate_fn,
-                                    cfg.data.num_workers, self.accelerator.device, cfg.data.skip_bad_images)
+                                    cfg.data.num_workers, self.accelerator.device, cfg.data.skip_bad_images,
+                                    determinism.loader_generator(t.seed, self.rank))
         per_epoch = self.sampler.batches_per_epoch // t.grad_accum
         if t.max_steps is None and per_epoch < 1:
             raise VtrainError(f"one epoch has {self.sampler.batches_per_epoch} micro-batches per process, fewer "
