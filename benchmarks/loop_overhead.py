@@ -50,14 +50,16 @@ GPU_CASES = [
 
 
 def _flags_to_overrides(task: str, flags: list[str]) -> dict[str, dict]:
-    """The CLI's own flag -> config mapping (`vtrain.cli._overrides`), so both loops read one config."""
-    from vtrain.cli import _overrides
+    """The config's own flag -> field mapping (each field declares its flag: vtrain/config/), so both loops read one
+    config; `resolve` coerces the values as it does a --config file's."""
+    from vtrain.config import FLAG_SECTIONS, flag_of
 
-    names = {"--model": "preset", "--data": "path"}
-    values = {}
+    by_flag = {flag_of(n): (section, n) for section, names in FLAG_SECTIONS.items() for n in names}
+    out: dict[str, dict] = {section: {} for section in FLAG_SECTIONS}
     for flag, value in zip(flags[::2], flags[1::2]):
-        values[names.get(flag, flag[2:].replace("-", "_"))] = value
-    return _overrides(**values)
+        section, name = by_flag[flag]
+        out[section][name] = value
+    return out
 
 
 def run_vtrain(task: str, flags: list[str], warmup: int, steps: int, out: Path) -> float:
