@@ -8,6 +8,7 @@ must never be seen half written.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -47,3 +48,31 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 def write_json_atomic(path: str | Path, obj: Any, indent: int | None = None) -> None:
     """`obj` as JSON, written as `write_text_atomic` does."""
     write_text_atomic(path, json.dumps(obj, indent=indent))
+
+
+def digest(path: Path, chunk: int = 16 * 2**20) -> dict[str, Any]:
+    """Size and SHA-256 of a file, read in chunks (a checkpoint manifest's entry)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            size += len(block)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def digest_share(root: Path, rels: list[str], rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]]:
+    """Digests of this rank's round-robin share of `rels` (ranks hash in parallel; rank 0 merges)."""
+    return {r: digest(Path(root) / r) for i, r in enumerate(rels) if i % world == rank}
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (best effort: some file systems refuse a directory fsync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

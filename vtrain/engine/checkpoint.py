@@ -19,7 +19,6 @@ and find. Which rank writes and reads what, and when, is engine/checkpointer.py'
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -31,7 +30,8 @@ from typing import Any
 
 from vtrain import guarded
 from vtrain.errors import VtrainError
-from vtrain.files import write_json_atomic
+from vtrain.files import digest, write_json_atomic
+from vtrain.files import fsync_dir as _fsync_dir
 from vtrain.records import (MAX_COUNT, Record, RecordError, categories, ema_state, read_json, scaler_state,
                             scheduler_state)
 
@@ -188,21 +188,6 @@ def payload_files(root: Path) -> list[str]:
     """Every file under a checkpoint directory but the manifest, as sorted relative paths."""
     root = Path(root)
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != COMPLETE)
-
-
-def digest(path: Path, chunk: int = 16 * 2**20) -> dict[str, Any]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-            size += len(block)
-    return {"size": size, "sha256": h.hexdigest()}
-
-
-def digest_share(root: Path, rels: list[str], rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]]:
-    """Digests of this rank's round-robin share of `rels` (ranks hash in parallel; rank 0 merges)."""
-    return {r: digest(Path(root) / r) for i, r in enumerate(rels) if i % world == rank}
 
 
 def begin(output_dir: str | Path, step: int, is_main: bool) -> Path:
@@ -455,14 +440,3 @@ def read_train_state(path: Path) -> dict[str, Any]:
 def write_json(path: Path, obj: Any) -> None:
     """A checkpoint's JSON file (train state, categories, best.json): indented by 1, written atomically."""
     write_json_atomic(path, obj, indent=1)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass

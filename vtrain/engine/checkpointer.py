@@ -34,6 +34,7 @@ from vtrain import guarded
 from vtrain.config import RunConfig, load_run_config
 from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
 from vtrain.engine import checkpoint as ckpt
+from vtrain.files import digest_share
 from vtrain.engine import content, content_state, engine_layout, faults, resume_settings
 from vtrain.engine.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
@@ -309,7 +310,7 @@ class Checkpointer:
         place, prunes this lineage beyond --keep-last (never the best) and records the best; a failure there is
         agreed like one in `_stage`. Collective."""
         files = broadcast_from_main(lambda: ckpt.payload_files(tmp))  # one list: rank 0's view of the folder
-        digests = ckpt.digest_share(tmp, files, self.rank, self.world)
+        digests = digest_share(tmp, files, self.rank, self.world)
         digests = {k: v for share in gather_objects(digests) for k, v in share.items()}
 
         def commit() -> Path:

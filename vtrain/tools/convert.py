@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from vtrain import guarded
 from vtrain.config import build_config
 from vtrain.engine import checkpoint as ckpt
+from vtrain.files import digest_share
 from vtrain.engine import rundir
 from vtrain.errors import VtrainError
 from vtrain.models.dino.adapters.detrex import from_detrex
@@ -233,5 +234,5 @@ def _stage(stage: Path, cfg, tensors: dict[str, torch.Tensor], categories: list 
                     world_size=1, engine="single").write(tmp)
     if categories is not None:
         ckpt.write_json(tmp / ckpt.CATEGORIES, categories)
-    files = ckpt.digest_share(tmp, ckpt.payload_files(tmp))
+    files = digest_share(tmp, ckpt.payload_files(tmp))
     ckpt.commit(stage, STEP, uuid.uuid4().hex, files, keep_last=1)
