@@ -200,7 +200,8 @@ def run(args, train_run, env, du) -> list[dict]:
                     if state == "cold":
                         shutil.rmtree(cache / "index", ignore_errors=True)
                     r = {"workers": workers, "cache": state,
-                         **train_run(["--train-ann", files[0], "--train-images", files[1]], workers, cache,
+                         **train_run(["--train-ann", files[0], "--train-images", files[1], "--val-ann", files[0],
+                                     "--val-images", files[1]], workers, cache,
                                      args.vtrain_root, args.steps, args.timeout, task=RUN)}
                     print(json.dumps(r), flush=True)
                     row["runs"].append(r)
