@@ -7,10 +7,10 @@ STAMP := $(VENV)/.vtrain-installed
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 
 # The demo's detection recipe; benchmarks/demo_seeds.py reads it from here and runs it for several seeds
-# (README: the AP range over seeds; docs/determinism.md §4). --deterministic --threads 2 below make a run repeatable
+# (README: the AP range over seeds; docs/determinism.md §4). --deterministic --threads 1 below make a run repeatable
 # on one machine whatever OMP_NUM_THREADS says.
 DEMO_DINO_FLAGS := --task dino --model debug-resnet --data demo --image-size 192 --batch-size 4 --max-steps 600 \
-	--lr 1e-3 --backbone-lr-mult 1 --clip-grad 1.0 --mixed-precision no --num-workers 1 \
+	--lr 5e-4 --warmup-steps 100 --ema-decay 0.99 --backbone-lr-mult 1 --clip-grad 1.0 --mixed-precision no --num-workers 1 \
 	--log-every 50 --eval-every 300 --save-every 300 --keep-last 1
 
 .PHONY: demo test test-fast install clean
@@ -33,7 +33,7 @@ demo: $(STAMP)
 	$(VENV)/bin/vtrain eval --checkpoint runs/demo --data demo
 	rm -rf runs/demo-dino
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/vtrain train $(DEMO_DINO_FLAGS) --output-dir runs/demo-dino \
-		--deterministic --threads 2
+		--deterministic --threads 1
 	$(VENV)/bin/vtrain eval --task dino --checkpoint runs/demo-dino --save-predictions runs/demo-dino/predictions.json
 
 test: $(STAMP)
