@@ -82,3 +82,25 @@ def swin_name(rest: str, lay: Layout) -> str:
     if m:
         return f"backbone.out_norms.{lay.out_indices.index(int(m.group(1)))}.{m.group(2)}"
     return "backbone.body." + rest
+
+
+def renamed(rest: str, table: dict[str, str]) -> str | None:
+    """`rest` with the first matching prefix of `table` replaced (None: no prefix matches)."""
+    for a, b in table.items():
+        if rest.startswith(a):
+            return b + rest[len(a):]
+    return None
+
+
+def top_name(key: str, table: dict[str, str]) -> str | None:
+    """A top-level key renamed by `table`: an entry ending in "." renames the keys below it, others match whole."""
+    for a, b in table.items():
+        if key == a or (a.endswith(".") and key.startswith(a)):
+            return b + key[len(a):]
+    return None
+
+
+def layer_name(m: re.Match, enc: dict[str, str], dec: dict[str, str]) -> str | None:
+    """An encoder/decoder layer key (groups: encoder|decoder, layer index, the rest) in vtrain's names."""
+    new = renamed(m.group(3), enc if m.group(1) == "encoder" else dec)
+    return None if new is None else f"{m.group(1)}.layers.{m.group(2)}.{new}"

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vtrain.models.dino.adapters import Layout, coco_categories, dino_preset, swin_name, untie
+from vtrain.models.dino.adapters import Layout, coco_categories, dino_preset, layer_name, swin_name, top_name, untie
 from vtrain.models.formats import Converted
 
 OPTIONS: dict[str, Any] = {"neck_bias": True, "pos_temperature": 10000.0, "pos_offset": -0.5, "pos_normalize": True,
@@ -44,24 +44,15 @@ def layout(sd: dict[str, torch.Tensor]) -> Layout:
     return Layout(tuple(outs), heads - 1)
 
 
-def _sub(rest: str, table: dict[str, str]) -> str | None:
-    for a, b in table.items():
-        if rest.startswith(a):
-            return b + rest[len(a):]
-    return None
-
-
 def name(key: str, lay: Layout) -> str | None:
     """vtrain's name for a detrex key (None: unknown; tied copies and buffers: `from_detrex`)."""
     if key.startswith("backbone."):
         return swin_name(key[len("backbone."):], lay)
-    for a, b in _TOP.items():
-        if key == a or (a.endswith(".") and key.startswith(a)):
-            return b + key[len(a):]
+    if (top := top_name(key, _TOP)) is not None:
+        return top
     m = re.fullmatch(r"transformer\.(encoder|decoder)\.layers\.(\d+)\.(.+)", key)
     if m:
-        new = _sub(m.group(3), _ENC if m.group(1) == "encoder" else _DEC)
-        return None if new is None else f"{m.group(1)}.layers.{m.group(2)}.{new}"
+        return layer_name(m, _ENC, _DEC)
     m = re.fullmatch(r"neck\.(convs|extra_convs)\.(\d+)\.(conv|norm)\.(.+)", key)
     if m:
         where = "lateral" if m.group(1) == "convs" else "extra"

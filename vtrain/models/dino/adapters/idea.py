@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from vtrain.models.dino.adapters import Layout, categories_for, class_rows, dino_preset, swin_name, untie
+from vtrain.models.dino.adapters import (Layout, categories_for, class_rows, dino_preset, layer_name, swin_name,
+                                         top_name, untie)
 from vtrain.models.formats import Converted
 
 OPTIONS: dict[str, Any] = {"neck_bias": True, "pos_temperature": 20.0, "pos_offset": 0.0, "pos_normalize": True,
@@ -45,24 +46,15 @@ def layout(sd: dict[str, torch.Tensor]) -> Layout:
     return Layout(tuple(outs), layers)
 
 
-def _sub(rest: str, table: dict[str, str]) -> str | None:
-    for a, b in table.items():
-        if rest.startswith(a):
-            return b + rest[len(a):]
-    return None
-
-
 def name(key: str, lay: Layout) -> str | None:
     """vtrain's name for an IDEA key copied as it is (class rows and tied copies: `from_idea`); None: unknown."""
     if key.startswith("backbone.0."):
         return swin_name(key[len("backbone.0."):], lay)
-    for a, b in _TOP.items():
-        if key == a or (a.endswith(".") and key.startswith(a)):
-            return b + key[len(a):]
+    if (top := top_name(key, _TOP)) is not None:
+        return top
     m = re.fullmatch(r"transformer\.(encoder|decoder)\.layers\.(\d+)\.(.+)", key)
     if m:
-        new = _sub(m.group(3), _ENC if m.group(1) == "encoder" else _DEC)
-        return None if new is None else f"{m.group(1)}.layers.{m.group(2)}.{new}"
+        return layer_name(m, _ENC, _DEC)
     m = re.fullmatch(r"input_proj\.(\d+)\.([01])\.(.+)", key)
     if m:
         i, nb = int(m.group(1)), len(lay.out_indices)

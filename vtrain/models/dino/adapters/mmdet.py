@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from vtrain.models.dino.adapters import Layout, coco_categories, dino_preset
+from vtrain.models.dino.adapters import Layout, coco_categories, dino_preset, layer_name, renamed, top_name
 from vtrain.models.formats import Converted
 
 OPTIONS: dict[str, Any] = {"neck_bias": False, "pos_temperature": 20.0, "pos_offset": 0.0, "pos_normalize": True,
@@ -58,13 +58,6 @@ def unfold_to_swin(t: torch.Tensor) -> torch.Tensor:
     return x[..., [0, 2, 1, 3], :].reshape(*lead, c4).clone()
 
 
-def _sub(rest: str, table: dict[str, str]) -> str | None:
-    for a, b in table.items():
-        if rest.startswith(a):
-            return b + rest[len(a):]
-    return None
-
-
 def name(key: str, lay: Layout) -> str | None:
     """vtrain's name for an mmdet key (None: unknown)."""
     m = re.fullmatch(r"backbone\.stages\.(\d+)\.downsample\.(.+)", key)
@@ -75,17 +68,15 @@ def name(key: str, lay: Layout) -> str | None:
         return f"backbone.out_norms.{lay.out_indices.index(int(m.group(1)))}.{m.group(2)}"
     m = re.fullmatch(r"backbone\.stages\.(\d+)\.blocks\.(\d+)\.(.+)", key)
     if m:
-        rest = _sub(m.group(3), _SWIN) or m.group(3)
+        rest = renamed(m.group(3), _SWIN) or m.group(3)
         return f"backbone.body.layers.{m.group(1)}.blocks.{m.group(2)}.{rest}"
     if key.startswith("backbone.patch_embed."):
-        return "backbone.body." + (_sub(key[len("backbone."):], _SWIN) or key[len("backbone."):])
-    for a, b in _TOP.items():
-        if key == a or (a.endswith(".") and key.startswith(a)):
-            return b + key[len(a):]
+        return "backbone.body." + (renamed(key[len("backbone."):], _SWIN) or key[len("backbone."):])
+    if (top := top_name(key, _TOP)) is not None:
+        return top
     m = re.fullmatch(r"(encoder|decoder)\.layers\.(\d+)\.(.+)", key)
     if m:
-        new = _sub(m.group(3), _ENC if m.group(1) == "encoder" else _DEC)
-        return None if new is None else f"{m.group(1)}.layers.{m.group(2)}.{new}"
+        return layer_name(m, _ENC, _DEC)
     m = re.fullmatch(r"neck\.(convs|extra_convs)\.(\d+)\.(conv|gn)\.(.+)", key)
     if m:
         where = "lateral" if m.group(1) == "convs" else "extra"
