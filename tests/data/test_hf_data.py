@@ -150,3 +150,33 @@ def test_bad_datasets_are_one_line_errors(tmp_path):
         HfSplits(f"hf:{tmp_path / 'empty'}")
     with pytest.raises(VtrainError, match="no such folder or parquet file"):
         HfSplits(f"hf:{tmp_path / 'none'}/*.parquet")
+
+
+@pytest.mark.parametrize("column, value, shown", [
+    ("image_id", 1.5, "1.5"), ("image_id", "7", "'7'"), ("width", 64.25, "64.25"), ("category", 0.5, "0.5")])
+def test_detection_ids_and_sizes_are_whole_numbers_never_truncated(tmp_path, column, value, shown):
+    """A row's id, size or category that is not a whole number is one line naming the column (`int()` would have
+    made 1.5 into 1 and trained on it); a float column's whole numbers are taken as the integers they are."""
+    from vtrain.data.demo_shapes import ensure_demo_shapes
+
+    jpeg = next((ensure_demo_shapes() / "train2017").glob("*.jpg")).read_bytes()
+
+    def splits(name: str, **change) -> HfSplits:
+        row = {"image_id": 3, "width": 64, "height": 64, "category": 1} | change
+        kind = {k: Value({int: "int64", float: "float64", str: "string"}[type(v)]) for k, v in row.items()}
+        Dataset.from_dict({
+            "image_id": [row["image_id"]], "image": [{"bytes": jpeg, "path": None}],
+            "width": [row["width"]], "height": [row["height"]],
+            "objects": [{"bbox": [[1.0, 2.0, 10.0, 12.0]], "category": [row["category"]]}]},
+            features=Features({"image_id": kind["image_id"], "image": Image(), "width": kind["width"],
+                               "height": kind["height"], "objects": {"bbox": List(List(Value("float64"), length=4)),
+                                                                     "category": List(kind["category"])}}),
+        ).save_to_disk(str(tmp_path / name))
+        return HfSplits(f"hf:{tmp_path / name}")
+
+    whole = splits("whole", image_id=3.0, width=64.0)  # float columns holding whole numbers
+    det = whole.detection("train", 64, 64, train=False)
+    assert det._coco.dataset["images"][0]["id"] == 3 and det._coco.dataset["images"][0]["width"] == 64
+    key = "objects.category" if column == "category" else column
+    with pytest.raises(VtrainError, match=rf"column '{key}' must hold whole numbers, got {shown}$"):
+        splits("bad", **{column: value}).detection("train", 64, 64, train=False)

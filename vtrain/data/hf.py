@@ -32,7 +32,7 @@ from vtrain.data.coco_index import MemoryIndex, records_of, write_targets
 from vtrain.data.faces import FaceSamples
 from vtrain.data.images import decode_rgb, image_size
 from vtrain.data.labels import check_labels
-from vtrain.errors import BadSample, VtrainError
+from vtrain.errors import BadSample, VtrainError, shown
 
 PREFIX = "hf:"
 EVAL_SPLITS = ("validation", "valid", "val", "test")
@@ -104,7 +104,9 @@ class HfSplits:
         feat = _category_feature(first.features["objects"])
         if hasattr(feat, "names"):
             return [{"id": i, "name": n} for i, n in enumerate(feat.names)]
-        ids = sorted({int(c) for d in self.splits.values() for objs in d["objects"] for _, c, *_ in _objects(objs)})
+        source = f"--data {self.spec}: column 'objects.category'"
+        ids = sorted({_whole(c, source) for d in self.splits.values() for objs in d["objects"]
+                      for _, c, *_ in _objects(objs)})
         return [{"id": i, "name": str(i)} for i in ids]
 
 
@@ -197,6 +199,15 @@ class HfFaces(FaceSamples):
         return decode_rgb(path, max_pixels=self.max_pixels), label
 
 
+def _whole(value: Any, source: str) -> int:
+    """An id, size, category or crowd flag of a row as the integer the COCO checks (data/coco_check.py) expect:
+    an integer, or a float column's whole number (exact below 2^53); anything else is one line naming the column,
+    never silently truncated (`int(1.5)` is 1)."""
+    if type(value) is int or (type(value) is float and value.is_integer() and abs(value) < 2**53):
+        return int(value)
+    raise VtrainError(f"{source} must hold whole numbers, got {shown(value)}")
+
+
 def _category_feature(objects_feature):
     """The feature of `objects.category`: objects is a dict of lists (the legacy Sequence of a dict, cppe-5) or a
     list of dicts."""
@@ -228,13 +239,15 @@ class HfDetection(CocoDetection):
         cols = [c for c in ("image_id", "width", "height") if c in ds.features]
         table = ds.select_columns(["objects", *cols]).to_dict()
         n = len(ds)
-        ids = [int(v) for v in table["image_id"]] if "image_id" in table else list(range(1, n + 1))
+        column = f"--data {where}: column"
+        ids = ([_whole(v, f"{column} 'image_id'") for v in table["image_id"]] if "image_id" in table
+               else list(range(1, n + 1)))
         if len(set(ids)) != n:
             raise VtrainError(f"--data {where}: column 'image_id' has repeated values")
         images, anns = [], []
         for row, image_id in enumerate(ids):
             if "width" in table and "height" in table:
-                w, h = int(table["width"][row]), int(table["height"][row])
+                w, h = (_whole(table[k][row], f"{column} '{k}'") for k in ("width", "height"))
             else:  # read the size from the encoded header only
                 w, h = image_size(self.images[row])
             images.append({"id": image_id, "width": w, "height": h, "file_name": f"row {row}"})
@@ -245,8 +258,10 @@ class HfDetection(CocoDetection):
                     box = bbox  # CocoDetection reports it as a malformed bbox
                 if area is None:  # COCOeval's area ranges read it; the box area stands in for a mask's
                     area = box[2] * box[3] if isinstance(box, list) and len(box) == 4 else 0.0
-                anns.append({"id": len(anns) + 1, "image_id": image_id, "category_id": int(cat), "bbox": box,
-                             "area": float(area), "iscrowd": int(crowd or 0)})
+                anns.append({"id": len(anns) + 1, "image_id": image_id, "bbox": box, "area": area,
+                             "category_id": _whole(cat, f"{column} 'objects.category'"),
+                             "iscrowd": int(crowd) if type(crowd) is bool
+                             else _whole(crowd or 0, f"{column} 'objects.iscrowd'")})
         data = {"images": images, "annotations": anns, "categories": categories}
         self._coco = coco_from_dict(data, where)  # the checks; kept as the ground truth COCOeval scores against
         self.index = MemoryIndex()
