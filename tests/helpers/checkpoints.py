@@ -1,5 +1,6 @@
-"""What the suites on checkpoint content share: the prior metric run's flags and head shard, a COCO detector
-dataset, a snapshot of every input a command must leave alone, and a rewrite of a safetensors file."""
+"""What the suites on checkpoint content share: the prior metric and detector runs (and the metric run's flags and
+head shard, the detector's COCO dataset), a snapshot of every input a command must leave alone, and a rewrite of a
+safetensors file."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.cli import tree_hash
+from tests.helpers.fork_server import Cli
 
 METRIC = ["--batch-size", "4", "--num-workers", "0", "--embedding-dim", "16", "--mixed-precision", "no",
           "--head-parallel", "sharded", "--ema-decay", "0.9"]
@@ -40,6 +42,23 @@ def coco(root: Path) -> list[str]:
             str(root / "images"), "--val-ann", str(root / "ann.json"), "--val-images", str(root / "images"),
             "--image-size", "128", "--batch-size", "2", "--num-workers", "0", "--num-queries",
             "20", "--dn-queries", "0", "--mixed-precision", "no"]
+
+
+def metric_and_dino(root: Path, cli: Cli, identities: int, held_out: int = 0) -> tuple[Path, Path, Path, Path]:
+    """The prior runs these suites copy, each trained 1 step (checkpoint step_1): metric/ (sharded head, EMA) on
+    faces/ (train/: `identities` x 2 images; val/: `held_out` x 2 images when > 0) and dino/ on coco/ (`coco`).
+    Returns (faces, coco, metric, dino)."""
+    from vtrain.data.demo_faces import write_identity_tree
+
+    write_identity_tree(root / "faces" / "train", 0, identities, 2, seed=3)
+    if held_out:
+        write_identity_tree(root / "faces" / "val", 100, held_out, 2, seed=3)
+    dino = coco(root / "coco")
+    for argv in (["--data", str(root / "faces"), "--output-dir", str(root / "metric"), *METRIC],
+                 ["--output-dir", str(root / "dino"), *dino]):
+        rc, out, err, _ = cli.run(["train", "--max-steps", "1", *argv])
+        assert rc == 0, out[-3000:] + err[-3000:]
+    return root / "faces", root / "coco", root / "metric", root / "dino"
 
 
 def edit(file: Path, change: Callable[[dict[str, torch.Tensor]], None], metadata: dict | None = None) -> None:

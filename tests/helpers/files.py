@@ -1,5 +1,6 @@
-"""What the suites on the files around a run share: the training flags of their prior runs, whether we run as root
-(and may use private mounts), the fork-server client with the server's file options, and what a command left."""
+"""What the suites on the files around a run share: their prior face run and its training flags, whether we run as
+root (and may use private mounts), the fork-server client with the server's file options, and what a command
+left."""
 
 from __future__ import annotations
 
@@ -28,6 +29,19 @@ class FilesCli(Cli):
         pid = self._ask({"start": case})["pid"]
         rc = self._ask({"wait": pid}, 600, pid)["rc"]
         return rc, out.read_text(errors="replace"), err.read_text(errors="replace")
+
+
+def face_run(root: Path, cli: FilesCli) -> tuple[Path, Path]:
+    """The prior run these suites copy: faces/ (train/: 2 identities x 2 images; val/: 2 held-out identities x 2
+    images) and run/, trained 2 steps with checkpoints step_1 and step_2. Returns (faces, run)."""
+    from vtrain.data.demo_faces import write_identity_tree
+
+    write_identity_tree(root / "faces" / "train", 0, 2, 2, seed=3)
+    write_identity_tree(root / "faces" / "val", 100, 2, 2, seed=4)
+    rc, out, err = cli.run_with(["train", "--data", str(root / "faces"), "--output-dir", str(root / "run"), *TRAIN,
+                                 "--max-steps", "2", "--save-every", "1", "--keep-last", "3"], {})
+    assert rc == 0, out[-3000:] + err[-3000:]
+    return root / "faces", root / "run"
 
 
 def private_mounts_work() -> bool:

@@ -3,19 +3,18 @@ from a checkpoint or a weights file is checked for name, shape, dtype, class ran
 used (engine/content.py); a checkpoint of another model is one line saying both models; consolidation writes every
 weight set whole.
 
-Every row of CASES doctors a copy of one of two small runs built once for the module (a metric run with a sharded
-face head and an EMA, a one-step detector), reseals it (conftest.reseal: the manifest verifies, so what is tested is
-the content, not the checksum), and runs one `vtrain` command through the fork server (helpers/cli_server.py). Each
-asserts: a non-zero exit with exactly one `error:` line holding the needles and no traceback, or, for an `ok` row,
-exit 0 and the row's own check of what was written; the doctored inputs are byte-identical afterwards (a resumed run
-directory's own config.yaml and logs aside, which every resume rewrites); a failed command left nothing where its
-output goes (no file, no temporary, no checkpoint). The 2-process case (slow) puts the bad rows in the head shard
-only rank 1 reads.
+Every row of CASES doctors a copy of one of two small runs built once for the module (a metric run with a sharded face
+head and an EMA, a one-step detector; helpers/checkpoints.py), reseals it (helpers/cli.py reseal: the manifest
+verifies, so what is tested is the content, not the checksum), and runs one `vtrain` command through the fork server
+(helpers/cli_server.py). Each asserts: a non-zero exit with exactly one `error:` line holding the needles and no
+traceback, or, for an `ok` row, exit 0 and the row's own check of what was written; the doctored inputs are
+byte-identical afterwards (a resumed run directory's own config.yaml and logs aside, which every resume rewrites); a
+failed command left nothing where its output goes (no file, no temporary, no checkpoint). The 2-process case (slow)
+puts the bad rows in the head shard only rank 1 reads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -26,11 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.checkpoints import coco as _coco, edit, METRIC, SHARD, snapshot as _snapshot
-from tests.helpers.cli import launch, reseal, tree_hash
+from tests.helpers.checkpoints import edit, METRIC, metric_and_dino, SHARD, snapshot as _snapshot
+from tests.helpers.cli import launch, reseal
 from tests.helpers.fork_server import Cli
 from tests.helpers.paths import ROOT
 from vtrain.engine import rundir
@@ -55,19 +53,11 @@ class Prior:
 
 @pytest.fixture(scope="module")
 def prior(tmp_path_factory) -> Prior:
-    from vtrain.data.demo_faces import write_identity_tree
-
     root = tmp_path_factory.mktemp("content")
-    write_identity_tree(root / "faces" / "train", 0, CLASSES, 2, seed=3)
-    write_identity_tree(root / "faces" / "val", 100, 3, 2, seed=3)
     (root / "logs").mkdir()
     cli = Cli(root / "logs")
-    dino = _coco(root / "coco")
-    for argv in (["--data", str(root / "faces"), "--output-dir", str(root / "metric"), *METRIC],
-                 ["--output-dir", str(root / "dino"), *dino]):
-        rc, out, err, _ = cli.run(["train", "--max-steps", "1", *argv])
-        assert rc == 0, out[-3000:] + err[-3000:]
-    yield Prior(cli, root / "faces", root / "metric", root / "dino", root / "coco")
+    faces, coco, metric, dino = metric_and_dino(root, cli, CLASSES, held_out=3)
+    yield Prior(cli, faces, metric, dino, coco)
     cli.close()
 
 

@@ -6,11 +6,11 @@ accepts, its checkpoint readers accept (`test_what_training_accepts_its_checkpoi
 
 Every row of CASES is one `vtrain` command through the fork server (helpers/cli_server.py), on inputs of our own
 design: a small COCO file changed in one field, a YAML or JSON file, or a copy of a finished run with one file
-doctored and its manifest resealed (conftest.reseal: what is tested is the content, not the checksum). Each asserts
-a non-zero exit with exactly one `error:` line holding the needles and no traceback (or exit 0 for an `ok` row); the
-inputs byte-identical afterwards (a resumed run's own config.yaml and logs aside, which every resume rewrites); no
-checkpoint left where a failed command's output goes; and the command's peak memory under PEAK_LIMIT_MB (it runs
-under a data-segment limit, so a case that would allocate gigabytes fails fast instead).
+doctored and its manifest resealed (helpers/cli.py reseal: what is tested is the content, not the checksum). Each
+asserts a non-zero exit with exactly one `error:` line holding the needles and no traceback (or exit 0 for an `ok`
+row); the inputs byte-identical afterwards (a resumed run's own config.yaml and logs aside, which every resume
+rewrites); no checkpoint left where a failed command's output goes; and the command's peak memory under PEAK_LIMIT_MB
+(it runs under a data-segment limit, so a case that would allocate gigabytes fails fast instead).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.helpers.cli import reseal
-from tests.helpers.checkpoints import coco as _coco, edit, METRIC, SHARD, snapshot as _snapshot
+from tests.helpers.checkpoints import edit, metric_and_dino, METRIC, SHARD, snapshot as _snapshot
 from tests.helpers.fork_server import Cli, PEAK_LIMIT_MB
 
 PLAIN = ["--batch-size", "4", "--num-workers", "0", "--embedding-dim", "16", "--mixed-precision", "no"]
@@ -68,18 +68,11 @@ class Prior:
 
 @pytest.fixture(scope="module")
 def prior(tmp_path_factory) -> Prior:
-    from vtrain.data.demo_faces import write_identity_tree
-
     root = tmp_path_factory.mktemp("fields")
-    write_identity_tree(root / "faces" / "train", 0, 4, 2, seed=3)
     (root / "logs").mkdir()
     cli = Cli(root / "logs")
-    dino = _coco(root / "coco")
-    for argv in (["--data", str(root / "faces"), "--output-dir", str(root / "metric"), *METRIC],
-                 ["--output-dir", str(root / "dino"), *dino]):
-        rc, out, err, _ = cli.run(["train", "--max-steps", "1", *argv])
-        assert rc == 0, out[-3000:] + err[-3000:]
-    yield Prior(cli, root, root / "faces", root / "coco", root / "metric", root / "dino", {})
+    faces, coco, metric, dino = metric_and_dino(root, cli, 4)
+    yield Prior(cli, root, faces, coco, metric, dino, {})
     cli.close()
 
 

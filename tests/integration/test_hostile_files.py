@@ -22,19 +22,16 @@ import json
 import os
 import shutil
 import subprocess
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import env, reseal, tree_hash
-from tests.helpers.paths import ROOT
-from tests.helpers.fork_server import Cli
+from tests.helpers.cli import reseal, tree_hash
 from vtrain.engine import checkpoint as ckpt
 from tests.helpers.files import (
-    FilesCli, leftovers as _leftovers, private_mounts_work as _private_mounts_work, ROOT_USER, TRAIN,
+    face_run, FilesCli, leftovers as _leftovers, private_mounts_work as _private_mounts_work, ROOT_USER, TRAIN,
     verifying as _verifying)
 
 
@@ -50,18 +47,11 @@ class Prior:
 
 @pytest.fixture(scope="module")
 def prior(tmp_path_factory) -> Prior:
-    from vtrain.data.demo_faces import write_identity_tree
-
     root = tmp_path_factory.mktemp("hostile_files")
-    write_identity_tree(root / "faces" / "train", 0, 2, 2, seed=3)
-    write_identity_tree(root / "faces" / "val", 100, 2, 2, seed=4)
     (root / "logs").mkdir()
     cli = FilesCli(root / "logs")
-    rc, out, err = cli.run_with(["train", "--data", str(root / "faces"), "--output-dir", str(root / "run"), *TRAIN,
-                               "--max-steps", "2", "--save-every", "1", "--keep-last", "3"], {})
-    assert rc == 0, out[-3000:] + err[-3000:]
-    run_id = ckpt.read_manifest(root / "run" / "checkpoints" / "step_2").run_id
-    yield Prior(cli, root / "faces", root / "run", run_id)
+    faces, run = face_run(root, cli)
+    yield Prior(cli, faces, run, ckpt.read_manifest(run / "checkpoints" / "step_2").run_id)
     cli.close()
 
 

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.cli import reseal, tree_hash
 from tests.helpers.paths import ROOT
 from tests.helpers.files import (
-    FilesCli, leftovers as _leftovers, private_mounts_work as _private_mounts_work, ROOT_USER, TRAIN,
+    face_run, FilesCli, leftovers as _leftovers, private_mounts_work as _private_mounts_work, ROOT_USER, TRAIN,
     verifying as _verifying)
 from vtrain import guarded
 from vtrain.engine import checkpoint as ckpt
@@ -58,17 +58,12 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
-    from vtrain.data.demo_faces import write_identity_tree
     from vtrain.data.demo_shapes import ensure_demo_shapes
 
     root = tmp_path_factory.mktemp("owned")
-    write_identity_tree(root / "faces" / "train", 0, 2, 2, seed=3)
-    write_identity_tree(root / "faces" / "val", 100, 2, 2, seed=4)
     (root / "logs").mkdir()
     cli = FilesCli(root / "logs")
-    rc, out, err = cli.run_with(["train", "--data", str(root / "faces"), "--output-dir", str(root / "run"), *TRAIN,
-                                 "--max-steps", "2", "--save-every", "1", "--keep-last", "3"], {})
-    assert rc == 0, out[-3000:] + err[-3000:]
+    faces, run = face_run(root, cli)
     demo = ensure_demo_shapes()
     coco = json.loads((demo / "annotations" / "instances_train2017.json").read_text())
     images = coco["images"][:2]
@@ -82,7 +77,7 @@ def runs(tmp_path_factory) -> Runs:
                                  "--mixed-precision", "no", *data, "--output-dir", str(root / "dino"),
                                  "--image-size", "128", "--batch-size", "2", "--max-steps", "1"], {})
     assert rc == 0, out[-3000:] + err[-3000:]
-    yield Runs(cli, root / "faces", root / "run", root / "dino", [demo / "train2017" / im["file_name"]
+    yield Runs(cli, faces, run, root / "dino", [demo / "train2017" / im["file_name"]
                                                                  for im in images])
     cli.close()
 
