@@ -127,3 +127,16 @@ def test_32000_images_sample_in_bounded_memory(identities):
     assert np.array_equal(same, labels[pairs[:, 0]] == labels[pairs[:, 1]])
     assert len(np.unique(pairs[:, 0] * n + pairs[:, 1])) == len(pairs)
     assert peak < 200 * 2**20, f"{peak / 2**20:.0f} MB"
+
+
+def test_a_malformed_pairs_line_is_one_bounded_line(tmp_path):
+    """A pairs file (`path1 path2 0|1` per line) whose line is malformed names the file and line, and shows the line
+    bounded: a 1 MB line is not echoed whole."""
+    from vtrain.data.faces import read_pairs
+    from vtrain.errors import VtrainError
+
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("# comment\n" + "a.jpg b.jpg " + "x" * 2**20 + "\n")
+    with pytest.raises(VtrainError, match=r"pairs\.txt:2: expected 'path1 path2 0\|1', got 'a\.jpg b\.jpg x+\.\.\.") as e:
+        read_pairs(pairs)
+    assert len(str(e.value)) < 200 + len(str(pairs))

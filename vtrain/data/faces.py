@@ -21,7 +21,7 @@ from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, DataConfig
 from vtrain.data.images import decode_rgb  # noqa: F401  (the face sets' decoder; also imported from here)
 from vtrain.data.index import IndexWriter, open_index
 from vtrain.data.labels import check_labels
-from vtrain.errors import BadSample, VtrainError
+from vtrain.errors import BadSample, VtrainError, shown
 
 
 @dataclass
@@ -256,7 +256,7 @@ def read_pairs(path: Path) -> list[tuple[str, str, bool]]:
             continue
         parts = line.split()
         if len(parts) != 3 or parts[2] not in ("0", "1"):
-            raise VtrainError(f"{path}:{n}: expected 'path1 path2 0|1', got {line!r}")
+            raise VtrainError(f"{path}:{n}: expected 'path1 path2 0|1', got {shown(line)}")
         a, b = (str(p if Path(p).is_absolute() else Path(path).parent / p) for p in parts[:2])
         for p in (a, b):
             if not Path(p).is_file():

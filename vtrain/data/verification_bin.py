@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from vtrain.errors import VtrainError
+from vtrain.errors import VtrainError, shown
 from vtrain.safeio import UnsafeFileError, restricted_load
 
 
@@ -48,7 +48,7 @@ def _dtype(spec: Any, align: Any = False, *_: Any) -> np.dtype:
     # always a copy (copy=True): a BUILD after it must not be able to change numpy's shared builtin dtypes
     dt = np.dtype(spec, bool(align), True)
     if dt.hasobject or dt.kind not in "biuf" or dt.subdtype is not None or dt.names is not None:
-        raise pickle.UnpicklingError(f"numpy dtype {dt!r} (only plain numeric arrays are accepted)")
+        raise pickle.UnpicklingError(f"numpy dtype {shown(dt)} (only plain numeric arrays are accepted)")
     return dt
 
 
@@ -73,7 +73,7 @@ class _Array:
         shape, dtype, fortran, raw = state[-4:]
         dt = _dtype(dtype)  # again: a BUILD may have changed the dtype object after it was admitted
         if not isinstance(shape, tuple) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise pickle.UnpicklingError(f"numpy array shape {shape!r}")
+            raise pickle.UnpicklingError(f"numpy array shape {shown(shape)}")
         if isinstance(raw, str):  # py2 byte strings, and numpy's protocol-0..2 data, arrive as latin-1 text
             raw = self.unpacker.latin1(raw)
         if not isinstance(raw, (bytes, bytearray)):
@@ -111,12 +111,12 @@ class _Unpacker:
 
     def encode(self, text: str, encoding: str = "utf-8") -> bytes:
         if codecs.lookup(encoding).name != "iso8859-1" or not isinstance(text, str):  # pickle's bytes encoding
-            raise pickle.UnpicklingError(f"_codecs.encode with codec {encoding!r}")
+            raise pickle.UnpicklingError(f"_codecs.encode with codec {shown(encoding)}")
         return self.latin1(text)
 
     def reconstruct(self, subtype: Any, shape: Any, dtype: Any) -> _Array:
         if subtype is not _ArrayType:
-            raise pickle.UnpicklingError(f"array subtype {subtype!r}")
+            raise pickle.UnpicklingError(f"array subtype {shown(subtype)}")
         _dtype(dtype)
         return _Array(self)  # no memory yet: the BUILD brings the real shape and the data
 
@@ -132,7 +132,7 @@ class _Unpacker:
         dt = _dtype(dtype)
         if not isinstance(buf, (bytes, bytearray)) or not isinstance(shape, tuple) or \
                 math.prod(shape) * dt.itemsize != len(buf):
-            raise PackError(f"a numpy array declares shape {shape!r} of {dt} but holds "
+            raise PackError(f"a numpy array declares shape {shown(shape)} of {dt} but holds "
                             f"{len(buf) if isinstance(buf, (bytes, bytearray)) else 'no'} bytes")
         return np.frombuffer(buf, dt).reshape(shape, order=order)  # shares the buffer: no copy to charge
 
