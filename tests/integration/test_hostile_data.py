@@ -518,8 +518,9 @@ def test_dataloader_workers_never_fork_while_a_thread_holds_a_lock():
 
 
 def test_every_dataloader_with_workers_takes_its_context_from_data_workers():
-    """The behavioural test above covers `worker_context`; this one that nothing in vtrain starts workers (or any
-    process pool) some other way."""
+    """The behavioural tests (above, and tests/data/test_workers.py) cover `worker_options`: the start method and
+    the watch on the loader's process; this one that every DataLoader in vtrain takes them, and that nothing starts
+    workers (or any process pool) some other way."""
     import ast
 
     for path in (ROOT / "vtrain").rglob("*.py"):
@@ -529,8 +530,9 @@ def test_every_dataloader_with_workers_takes_its_context_from_data_workers():
                 fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
                 if fn == "DataLoader":
                     kw = {k.arg: k.value for k in node.keywords}
-                    assert "multiprocessing_context" in kw and "worker_context" in ast.unparse(kw[
-                        "multiprocessing_context"]), f"{path}:{node.lineno}: a DataLoader without worker_context"
+                    assert None in kw and ast.unparse(kw[None]).startswith("worker_options(") and not (
+                        {"multiprocessing_context", "worker_init_fn"} & set(kw)), \
+                        f"{path}:{node.lineno}: a DataLoader without **worker_options(...)"
                 assert fn not in ("fork", "Pool", "ProcessPoolExecutor"), f"{path}:{node.lineno}: {fn}"
                 if fn == "get_context":
                     assert ast.unparse(node.args[0]) != "'fork'", f"{path}:{node.lineno}: a fork context"

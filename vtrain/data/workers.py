@@ -8,12 +8,28 @@ started. Python's own docs warn that forking a multi-threaded process is unsafe,
 context from here: `forkserver`, whose server is a fresh single-threaded interpreter that forks the workers. Their
 dataset and collate function are pickled to them (data sets here keep no open files or closures for that reason).
 The server imports `PRELOAD` once, so each worker starts with torch and vtrain's data modules already imported.
+
+A worker also ends when the process that made its loader is gone (`WorkerInit`). torch's workers watch their parent
+process (torch/utils/data/_utils/worker.py, `ManagerWatchdog`: `os.getppid()`), which under a fork server is the
+server, not the loader's process; and the server waits for every holder of its liveness pipe to close it, which the
+workers are among (CPython Lib/multiprocessing/forkserver.py passes that descriptor to each child it forks). So a
+process that ends without shutting its loader down (an `os._exit` after a crash, a second signal, SIGKILL from the
+OOM killer or a scheduler) left the server and its workers running for good, holding their memory and any pipe
+they inherited (a `| tee` of the run's output never ended). Each worker now watches its loader's process through a
+pidfd (Linux >= 5.3; elsewhere it polls once a second) and exits when that process has; the server then sees its
+pipe closed and exits too.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
 from multiprocessing.context import BaseContext
+from typing import Any
 
 PRELOAD = ["vtrain.data.faces", "vtrain.data.recordio", "vtrain.data.coco", "vtrain.data.skip"]
 
@@ -25,3 +41,55 @@ def worker_context(num_workers: int) -> BaseContext | None:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server first starts; later calls change nothing
     return ctx
+
+
+def worker_options(num_workers: int, then: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """The DataLoader arguments every vtrain loader takes for its workers: their start method (`worker_context`) and
+    `WorkerInit` (ends a worker whose loader's process is gone, then runs `then`, the loader's own worker_init_fn)."""
+    if num_workers <= 0:
+        return {"multiprocessing_context": None, "worker_init_fn": then}
+    return {"multiprocessing_context": worker_context(num_workers), "worker_init_fn": WorkerInit(then)}
+
+
+class WorkerInit:
+    """A DataLoader worker_init_fn, made in the process that makes the loader: watch that process, then `then`."""
+
+    def __init__(self, then: Callable[[int], None] | None = None) -> None:
+        self.owner = os.getpid()
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        watch_owner(self.owner)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def watch_owner(pid: int, poll_s: float = 1.0) -> threading.Thread:
+    """End this process (`os._exit(0)`) once process `pid` has exited: a daemon thread waits on a pidfd of `pid`
+    (readable when it exits; no pid reuse can fool it), or, without pidfd support, checks it every `poll_s`."""
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd_open (not Linux, kernel < 5.3), or `pid` already gone
+        fd = None
+
+    def wait() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(pid):
+                time.sleep(poll_s)
+        os._exit(0)
+
+    thread = threading.Thread(target=wait, name="vtrain-loader-owner", daemon=True)
+    thread.start()
+    return thread
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user (a reused pid): treat as alive, as the pidfd would not
+        return True
+    return True

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import CollateWithBadList
-from vtrain.data.workers import worker_context
+from vtrain.data.workers import worker_options
 from vtrain.engine.interrupt import ignore_in_worker
 from vtrain.errors import BadSample
 
@@ -46,7 +46,7 @@ class MicroBatches:
                             num_workers=workers, drop_last=True, collate_fn=self.collate_fn,
                             persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
                             generator=self.generator,
-                            worker_init_fn=ignore_in_worker, multiprocessing_context=worker_context(workers))
+                            **worker_options(workers, then=ignore_in_worker))
         self._loader = loader
         while True:
             self.sampler.set_position(epoch, offset)

@@ -16,7 +16,7 @@ from vtrain.data.coco import CocoDetection, collate
 from vtrain.data.demo import data_root
 from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
-from vtrain.data.workers import worker_context
+from vtrain.data.workers import worker_options
 from vtrain.dist import gather_objects
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
@@ -234,7 +234,7 @@ class DinoTask:
         order, real = eval_shard(n, rank, world)  # the padding duplicates are not scored
         workers = min(self.cfg.data.num_workers, 2)
         loader = DataLoader(Subset(ds, order), batch_size=self.cfg.train.batch_size, collate_fn=collate,
-                            num_workers=workers, multiprocessing_context=worker_context(workers))
+                            num_workers=workers, **worker_options(workers))
         dets: list[dict[str, Any]] = []
         pos = 0
         for batch in loader:

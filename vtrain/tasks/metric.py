@@ -23,7 +23,7 @@ from vtrain.data.recordio import RecordFaces
 from vtrain.data.hf import HfSplits, is_hf
 from vtrain.data.sampler import eval_shard
 from vtrain.data.verification_bin import MIN_PAIRS, check_pairs, read_bin
-from vtrain.data.workers import worker_context
+from vtrain.data.workers import worker_options
 from vtrain.dist import gather_tensors, world_size
 from vtrain.errors import VtrainError
 from vtrain.eval.verification import pack_metrics, verification_metrics
@@ -202,7 +202,7 @@ class MetricTask:
         workers = min(self.cfg.data.num_workers, 2)
         loader = torch.utils.data.DataLoader(torch.utils.data.Subset(images, mine),
                                              batch_size=self.cfg.train.batch_size, num_workers=workers,
-                                             multiprocessing_context=worker_context(workers))
+                                             **worker_options(workers))
         chunks = []
         for imgs in loader:
             chunks.append(flip_embeddings(forward, imgs.to(device, input_dtype)))

@@ -38,7 +38,7 @@ from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING
 from vtrain.data.coco import collate, load_coco, normalize, test_transforms
 from vtrain.data.faces import load_image
 from vtrain.data.images import decode_rgb
-from vtrain.data.workers import worker_context
+from vtrain.data.workers import worker_options
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine.logging import console
 from vtrain.errors import VtrainError
@@ -129,7 +129,7 @@ def _loader(files: list[Path], load: Callable, batch_size: int, num_workers: int
     # workers from a fork server, as everywhere in vtrain (data/workers.py); `load` and `collate` are picklable
     return DataLoader(_Inputs(files, load), batch_size=batch_size, num_workers=num_workers,
                       collate_fn=_Checked(collate), pin_memory=device.type == "cuda",
-                      multiprocessing_context=worker_context(num_workers))
+                      **worker_options(num_workers))
 
 
 def _batch(given: int | None, cfg) -> int:

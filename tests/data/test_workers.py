@@ -1,0 +1,111 @@
+"""DataLoader workers end with the process that made their loader (data/workers.py): a process that ends without
+shutting its loader down (`os._exit` after a crash, a second signal, SIGKILL) leaves no worker and no fork server
+behind, holding memory and the pipes they inherited; and without the watch they did stay (the negative control)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.helpers.cli import env
+from tests.helpers.paths import HELPERS, ROOT
+
+# A loader with 2 persistent workers over a helper dataset (workers unpickle it by module), one batch read, then
+# the process ends at once, as vtrain's crash path does: it prints the workers' and the fork server's pids first.
+ENDS_WITHOUT_SHUTDOWN = """
+    import multiprocessing.forkserver, os, sys
+    import torch
+    import locked_dataset
+    from vtrain.data.workers import worker_context, worker_options
+
+    options = worker_options(2) if sys.argv[1] == "watched" else {"multiprocessing_context": worker_context(2)}
+    loader = torch.utils.data.DataLoader(locked_dataset.Squares(64), batch_size=2, num_workers=2,
+                                         persistent_workers=True, **options)
+    it = iter(loader)
+    next(it)
+    pids = [w.pid for w in it._workers] + [multiprocessing.forkserver._forkserver._forkserver_pid]
+    print("pids", *pids, flush=True)
+    os._exit(3)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for this purpose: it holds no memory and no descriptors
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _ended_without_shutdown(tmp_path, kind: str) -> tuple[list[int], int]:
+    """Run the script (`watched` or `unwatched`) in its own session; its output goes to a file, since a pipe stays
+    open as long as any process that inherited it. Returns (worker and server pids, the session's process group)."""
+    out, err = tmp_path / f"{kind}.out", tmp_path / f"{kind}.err"
+    path = os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(ENDS_WITHOUT_SHUTDOWN), kind], cwd=ROOT,
+                                env=env(PYTHONPATH=path), stdout=o, stderr=e, start_new_session=True)
+        assert proc.wait(timeout=120) == 3, err.read_text()[-3000:]
+    line = next(line for line in out.read_text().splitlines() if line.startswith("pids "))
+    return [int(p) for p in line.split()[1:]], proc.pid
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_and_the_fork_server_end_with_the_loaders_process(tmp_path):
+    pids, group = _ended_without_shutdown(tmp_path, "watched")
+    try:
+        deadline = time.monotonic() + 60  # a bound on a hang, not a speed requirement (pidfd wakes at once)
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], "workers or the fork server outlived the loader's process"
+    finally:
+        _kill_group(group)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_without_the_watch_they_outlive_it(tmp_path):
+    """The negative control: torch's own watchdog looks at the worker's parent, the fork server, which waits for
+    the workers: both stay. Checked past torch's 5 s status interval (MP_STATUS_CHECK_INTERVAL), then killed."""
+    pids, group = _ended_without_shutdown(tmp_path, "unwatched")
+    try:
+        time.sleep(7)
+        assert all(map(_alive, pids))
+    finally:
+        _kill_group(group)
+
+
+@pytest.mark.parametrize("how", ["pidfd", "poll"])
+def test_watch_owner_ends_this_process_when_the_owner_exits(how):
+    """`watch_owner` on both paths: a pidfd, and (where os.pidfd_open is missing) a check every poll_s."""
+    script = textwrap.dedent(f"""
+        import os, subprocess, time
+        from vtrain.data import workers
+        if {how!r} == "poll":
+            del os.pidfd_open
+        owner = subprocess.Popen(["sleep", "0.5"])
+        workers.watch_owner(owner.pid, poll_s=0.05)
+        owner.wait()  # reaped: the parent of a real loader process (a shell, a launcher) reaps it
+        time.sleep(60)
+        print("still running")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env(PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "still running" not in proc.stdout, proc.stderr[-3000:]
