@@ -109,3 +109,80 @@ def test_watch_owner_ends_this_process_when_the_owner_exits(how):
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env(PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "still running" not in proc.stdout, proc.stderr[-3000:]
+
+
+# A loader read while the process group gets SIGTERM, as a scheduler preempting a job sends it to every process of
+# the job: the loader's process handles it (as `vtrain train` does), the workers must not die of it.
+GROUP_SIGNAL = """
+    import os, signal, sys
+    import torch
+    import locked_dataset
+    from vtrain.data.workers import worker_context, worker_options
+
+    heard = []
+    signal.signal(signal.SIGTERM, lambda s, f: heard.append(s))
+    options = worker_options(2) if sys.argv[1] == "vtrain" else {"multiprocessing_context": worker_context(2)}
+    loader = torch.utils.data.DataLoader(locked_dataset.Squares(200), batch_size=2, num_workers=2, **options)
+    n = 0
+    try:
+        for batch in loader:
+            n += 1
+            if n == 5:
+                os.killpg(os.getpgid(0), signal.SIGTERM)
+        print("read", n, "batches; heard", heard)
+    except Exception as e:
+        print("failed after", n, "batches:", type(e).__name__)
+"""
+
+
+@pytest.mark.parametrize("options", ["vtrain", "plain"])
+def test_a_stop_signal_to_the_group_leaves_the_decision_to_the_loaders_process(options):
+    """With `worker_options` every batch is read and the signal reached the handler; with a plain forkserver
+    context (the negative control) the workers die of it and the read fails."""
+    path = os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(GROUP_SIGNAL), options], cwd=ROOT,
+                          env=env(PYTHONPATH=path), capture_output=True, text=True, timeout=120,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if options == "vtrain":
+        assert "read 100 batches; heard [15]" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    else:
+        assert proc.stdout.startswith("failed after"), proc.stdout + proc.stderr[-3000:]  # at 5, or a prefetched 6
+
+
+# The process ends (normally: atexit runs) while a loader's workers are still running, its iterator never shut down,
+# as when an error leaves it alive in a traceback.
+EXIT_WITH_LIVE_WORKERS = """
+    import atexit, sys
+    import torch
+    import locked_dataset
+    from vtrain.data import workers
+
+    loader = torch.utils.data.DataLoader(locked_dataset.Squares(64), batch_size=2, num_workers=2,
+                                         persistent_workers=True, **workers.worker_options(2))
+    it = iter(loader)
+    next(it)
+    if sys.argv[1] == "without-end-workers":
+        atexit.unregister(workers.end_workers)
+    print("exiting", flush=True)
+    sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("kind", ["vtrain", "without-end-workers"])
+def test_a_process_that_exits_with_live_workers_ends(tmp_path, kind):
+    """`end_workers` kills them at exit; without it (the negative control) multiprocessing's exit handler sends them
+    SIGTERM, which they ignore, and waits for them: still waiting after 20 s (then the group is killed)."""
+    path = os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])
+    with open(tmp_path / "out", "w") as o, open(tmp_path / "err", "w") as e:
+        proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(EXIT_WITH_LIVE_WORKERS), kind], cwd=ROOT,
+                                env=env(PYTHONPATH=path), stdout=o, stderr=e, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=120 if kind == "vtrain" else 20)  # bounds on a hang, not speed requirements
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            _kill_group(proc.pid)
+            proc.wait()
+    assert "exiting" in (tmp_path / "out").read_text(), (tmp_path / "err").read_text()[-3000:]
+    assert rc == (0 if kind == "vtrain" else None), (tmp_path / "err").read_text()[-3000:]

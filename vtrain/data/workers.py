@@ -18,20 +18,34 @@ OOM killer or a scheduler) left the server and its workers running for good, hol
 they inherited (a `| tee` of the run's output never ended). Each worker now watches its loader's process through a
 pidfd (Linux >= 5.3; elsewhere it polls once a second) and exits when that process has; the server then sees its
 pipe closed and exits too.
+
+And a worker ignores the stop signals (`STOP_SIGNALS`): a Ctrl-C in a terminal signals the whole process group, and a
+scheduler that preempts a job signals every process of it, workers included. What a stop means is for the process
+that made the loader to decide (`vtrain train` finishes the step and writes a checkpoint, engine/interrupt.py); a
+worker that died of the signal instead would make that process's next read from the loader fail (an evaluation
+inside training ended the run that way). A worker ends when its loader tells it to, or when that process is gone.
+Since multiprocessing ends the daemonic children still running at exit with SIGTERM and then waits for them
+(Lib/multiprocessing/util.py `_exit_function`), a worker of a loader that was never shut down (an error left its
+iterator alive) would make that wait endless: vtrain ends those first, with SIGKILL (`end_workers`, at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import select
+import signal
 import threading
 import time
-from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any
 
-PRELOAD = ["vtrain.data.faces", "vtrain.data.recordio", "vtrain.data.coco", "vtrain.data.skip"]
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""What a scheduler (SIGTERM) and a terminal (SIGINT) send to ask a run to stop."""
+
+PRELOAD = [
+    "vtrain.data.worker_server", "vtrain.data.faces", "vtrain.data.recordio", "vtrain.data.coco", "vtrain.data.skip"]
 
 
 def worker_context(num_workers: int) -> BaseContext | None:
@@ -43,25 +57,43 @@ def worker_context(num_workers: int) -> BaseContext | None:
     return ctx
 
 
-def worker_options(num_workers: int, then: Callable[[int], None] | None = None) -> dict[str, Any]:
+def worker_options(num_workers: int) -> dict[str, Any]:
     """The DataLoader arguments every vtrain loader takes for its workers: their start method (`worker_context`) and
-    `WorkerInit` (ends a worker whose loader's process is gone, then runs `then`, the loader's own worker_init_fn)."""
+    `WorkerInit` (a worker ignores the stop signals and ends when its loader's process is gone)."""
+    global _ENDS_AT_EXIT
     if num_workers <= 0:
-        return {"multiprocessing_context": None, "worker_init_fn": then}
-    return {"multiprocessing_context": worker_context(num_workers), "worker_init_fn": WorkerInit(then)}
+        return {"multiprocessing_context": None, "worker_init_fn": None}
+    context = worker_context(num_workers)
+    if not _ENDS_AT_EXIT:  # after multiprocessing registered its own exit handler, so that this one runs first
+        atexit.register(end_workers)
+        _ENDS_AT_EXIT = True
+    return {"multiprocessing_context": context, "worker_init_fn": WorkerInit()}
+
+
+_ENDS_AT_EXIT = False
+
+
+def end_workers() -> None:
+    """At exit: kill the daemonic child processes still running (DataLoader workers whose loader was not shut down)
+    and reap them. They ignore SIGTERM, which is all multiprocessing's own exit handler would send before joining
+    them."""
+    for process in multiprocessing.active_children():
+        if process.daemon:
+            process.kill()
+            process.join()
 
 
 class WorkerInit:
-    """A DataLoader worker_init_fn, made in the process that makes the loader: watch that process, then `then`."""
+    """A DataLoader worker_init_fn, made in the process that makes the loader: ignore the stop signals, and watch
+    that process."""
 
-    def __init__(self, then: Callable[[int], None] | None = None) -> None:
+    def __init__(self) -> None:
         self.owner = os.getpid()
-        self.then = then
 
     def __call__(self, worker_id: int) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
         watch_owner(self.owner)
-        if self.then is not None:
-            self.then(worker_id)
 
 
 def watch_owner(pid: int, poll_s: float = 1.0) -> threading.Thread:

@@ -20,10 +20,12 @@ import signal
 import sys
 import threading
 
+from vtrain.data.workers import STOP_SIGNALS
+
 # torch is imported where it is used: the CLI installs the handler first thing, and a bad flag must be reported
 # without paying the seconds of a torch import
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = STOP_SIGNALS  # the loader workers ignore them (data/workers.py): the stop is this process's to make
 
 
 class TrainingInterrupted(Exception):
@@ -165,9 +167,3 @@ class _Watcher:
 
 os.register_at_fork(after_in_child=_Watcher._after_fork)
 
-
-def ignore_in_worker(_: int = 0) -> None:
-    """DataLoader worker_init_fn: a Ctrl-C in a terminal signals the whole process group; the main process
-    handles it, the workers must not die of it."""
-    for s in SIGNALS:
-        signal.signal(s, signal.SIG_IGN)

@@ -13,7 +13,6 @@ from torch.utils.data import DataLoader, Dataset
 from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import CollateWithBadList
 from vtrain.data.workers import worker_options
-from vtrain.engine.interrupt import ignore_in_worker
 from vtrain.errors import BadSample
 
 
@@ -46,7 +45,7 @@ class MicroBatches:
                             num_workers=workers, drop_last=True, collate_fn=self.collate_fn,
                             persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
                             generator=self.generator,
-                            **worker_options(workers, then=ignore_in_worker))
+                            **worker_options(workers))
         self._loader = loader
         while True:
             self.sampler.set_position(epoch, offset)
@@ -56,7 +55,7 @@ class MicroBatches:
 
     def shutdown(self) -> None:
         """Shut the DataLoader workers down through their queues, also after an error (an unreadable image raised
-        in a worker). They ignore SIGTERM (interrupt.ignore_in_worker), so multiprocessing's exit hook, which
+        in a worker). They ignore SIGTERM (data/workers.py), so multiprocessing's exit hook, which
         terminates daemonic children with SIGTERM and then joins them, would otherwise wait forever."""
         # persistent workers' iterator: torch (2.14.1) has no public call that stops them, hence its private one
         it = getattr(self._loader, "_iterator", None)
