@@ -552,6 +552,40 @@ def test_sigint_saves_exits_130_and_resumes_exactly(cli, faces, uninterrupted, t
     _resume_matches(cli, faces, out, step, uninterrupted)
 
 
+def test_sigterm_to_the_whole_job_with_loader_workers_saves_and_exits_143(tmp_path):
+    """A scheduler signals every process of a job, DataLoader workers and their fork server included. Sent to the
+    run's process group right after step 10 is logged, while its evaluation (2 workers) or the training loader (2
+    workers) reads: the run finishes, writes its checkpoint and exits 143. Before the workers and the server ignored
+    it (data/workers.py), the read failed: exit 1, a ConnectionResetError traceback, no checkpoint."""
+    out = tmp_path / "run"
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "vtrain", "train", "--task", "dino", "--model", "debug-resnet",
+                              "--data", "demo", "--image-size", "128", "--batch-size", "2", "--max-steps", "40",
+                              "--num-workers", "2", "--eval-every", "10", "--save-every", "100", "--log-every", "5",
+                              "--mixed-precision", "no", "--output-dir", str(out)], cwd=ROOT, env=env(),
+                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while "step=10 " not in log.read_text():
+            assert p.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() - t0 < 600, "no step 10 after 600 s"
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGTERM)
+        rc = p.wait(timeout=600)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # what is left of the group, if the test failed
+        except ProcessLookupError:
+            pass
+    text = log.read_text()
+    assert rc == 128 + signal.SIGTERM and "Traceback" not in text, text[-3000:]
+    line = next(line for line in text.splitlines() if line.startswith("interrupted at step"))
+    step = int(line.split()[3])
+    assert [c.name for c in ckpt.complete_checkpoints(out)] == [f"step_{step}"], text[-3000:]
+    assert ckpt.verify(ckpt.final_path(out, step)) is None
+
+
 def test_debug_signal_at_step_and_a_second_signal_exits_at_once(cli, faces, tmp_path):
     # the fault-injection hook interrupts exactly at a step (what the 2-process test relies on)
     out = tmp_path / "run"
