@@ -15,7 +15,7 @@ server, not the loader's process; and the server waits for every holder of its l
 workers are among (CPython Lib/multiprocessing/forkserver.py passes that descriptor to each child it forks). So a
 process that ends without shutting its loader down (an `os._exit` after a crash, a second signal, SIGKILL from the
 OOM killer or a scheduler) left the server and its workers running for good, holding their memory and any pipe
-they inherited (a `| tee` of the run's output never ended). Each worker now watches its loader's process through a
+they inherited (a `| tail` of the process's output had not ended 600 s later). Each worker now watches its loader's process through a
 pidfd (Linux >= 5.3; elsewhere it polls once a second) and exits when that process has; the server then sees its
 pipe closed and exits too.
 

@@ -30,8 +30,7 @@ from typing import Any
 
 from vtrain import guarded
 from vtrain.errors import VtrainError
-from vtrain.files import digest, write_json_atomic
-from vtrain.files import fsync_dir as _fsync_dir
+from vtrain.files import digest, fsync_dir, write_json_atomic
 from vtrain.records import (MAX_COUNT, Record, RecordError, categories, ema_state, read_json, scaler_state,
                             scheduler_state)
 
@@ -219,7 +218,7 @@ def commit(output_dir: str | Path, step: int, run_id: str, files: dict[str, dict
             os.fsync(f.fileno())
 
     guarded.replace_file(tmp / COMPLETE, write_manifest, "write the manifest")
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if os.path.lexists(final):  # the same step saved again (e.g. resumed at the very end): our own copy only
         old = read_manifest(final)
         if final.is_symlink() or old is None or old.run_id != run_id:
@@ -231,7 +230,7 @@ def commit(output_dir: str | Path, step: int, run_id: str, files: dict[str, dict
                                   f"({'; '.join(notes) or 'files the manifest does not list'})")
     with guarded.disk_op("rename the staging folder to", final):
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final, prune(output_dir, run_id, keep_last, protect)
 
 

@@ -34,7 +34,6 @@ from vtrain import guarded
 from vtrain.config import RunConfig, load_run_config
 from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
 from vtrain.engine import checkpoint as ckpt
-from vtrain.files import digest_share
 from vtrain.engine import content, content_state, engine_layout, faults, resume_settings
 from vtrain.engine.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
@@ -42,6 +41,7 @@ from vtrain.engine.head_shard import ShardedHead
 from vtrain.engine.engines.base import Engine
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
+from vtrain.files import digest_share
 
 
 class Stateful(Protocol):

@@ -23,9 +23,8 @@ import threading
 from vtrain.data.workers import STOP_SIGNALS
 
 # torch is imported where it is used: the CLI installs the handler first thing, and a bad flag must be reported
-# without paying the seconds of a torch import
-
-SIGNALS = STOP_SIGNALS  # the loader workers ignore them (data/workers.py): the stop is this process's to make
+# without paying the seconds of a torch import. The loader workers ignore STOP_SIGNALS (data/workers.py): the stop
+# is this process's to make.
 
 
 class TrainingInterrupted(Exception):
@@ -47,7 +46,7 @@ class GracefulInterrupt:
 
     def install(self) -> "GracefulInterrupt":
         self._pid = os.getpid()
-        for s in SIGNALS:
+        for s in STOP_SIGNALS:
             self._previous[s] = signal.signal(s, self._handle)
         _Watcher.attach(self)
         return self
@@ -150,7 +149,7 @@ class _Watcher:
             if not data or cls.pid != os.getpid():
                 return
             for signum in data:
-                if signum in SIGNALS and cls.target is not None:
+                if signum in STOP_SIGNALS and cls.target is not None:
                     cls.count += 1
                     cls.target.heard(cls.count, signum)
 

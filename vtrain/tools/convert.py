@@ -32,9 +32,9 @@ from safetensors.torch import save_file
 from vtrain import guarded
 from vtrain.config import build_config
 from vtrain.engine import checkpoint as ckpt
-from vtrain.files import digest_share
 from vtrain.engine import rundir
 from vtrain.errors import VtrainError
+from vtrain.files import digest_share
 from vtrain.models.dino.adapters.detrex import from_detrex
 from vtrain.models.dino.adapters.idea import from_idea
 from vtrain.models.dino.adapters.mmdet import from_mmdet
