@@ -8,11 +8,11 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from tests.helpers.cli import env
 from tests.helpers.paths import ROOT
+from tests.helpers.processes import running
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_suite  # noqa: E402
@@ -84,7 +84,7 @@ def test_a_hang_is_killed_with_its_children(budget_cut, tmp_path):
     assert ("budget" in r["note"]) if budget_cut else r["error"] == "timeout after 5 s"
     child = int(pid_file.read_text())
     for _ in range(50):  # killed with its process group; the orphan is reaped by init
-        if not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+        if not running(child):
             break
         time.sleep(0.1)
     else:

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from tests.helpers.cli import env
-from tests.helpers.paths import HELPERS, ROOT
+from tests.helpers.cli import env, script_env
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import running
 
 # A loader with 2 persistent workers over a helper dataset (workers unpickle it by module), one batch read, then
 # the process ends at once, as vtrain's crash path does: it prints the workers' and the fork server's pids first.
@@ -35,27 +36,13 @@ ENDS_WITHOUT_SHUTDOWN = """
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is gone for this purpose: it holds no memory and no descriptors
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _ended_without_shutdown(tmp_path, kind: str) -> tuple[list[int], int]:
     """Run the script (`watched` or `unwatched`) in its own session; its output goes to a file, since a pipe stays
     open as long as any process that inherited it. Returns (worker and server pids, the session's process group)."""
     out, err = tmp_path / f"{kind}.out", tmp_path / f"{kind}.err"
-    path = os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(ENDS_WITHOUT_SHUTDOWN), kind], cwd=ROOT,
-                                env=env(PYTHONPATH=path), stdout=o, stderr=e, start_new_session=True)
+                                env=script_env(), stdout=o, stderr=e, start_new_session=True)
         assert proc.wait(timeout=120) == 3, err.read_text()[-3000:]
     line = next(line for line in out.read_text().splitlines() if line.startswith("pids "))
     return [int(p) for p in line.split()[1:]], proc.pid
@@ -68,26 +55,24 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_and_the_fork_server_end_with_the_loaders_process(tmp_path):
     pids, group = _ended_without_shutdown(tmp_path, "watched")
     try:
         deadline = time.monotonic() + 60  # a bound on a hang, not a speed requirement (pidfd wakes at once)
-        while any(map(_alive, pids)) and time.monotonic() < deadline:
+        while any(map(running, pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)], "workers or the fork server outlived the loader's process"
+        assert not [p for p in pids if running(p)], "workers or the fork server outlived the loader's process"
     finally:
         _kill_group(group)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_without_the_watch_they_outlive_it(tmp_path):
     """The negative control: torch's own watchdog looks at the worker's parent, the fork server, which waits for
     the workers: both stay. Checked past torch's 5 s status interval (MP_STATUS_CHECK_INTERVAL), then killed."""
     pids, group = _ended_without_shutdown(tmp_path, "unwatched")
     try:
         time.sleep(7)
-        assert all(map(_alive, pids))
+        assert all(map(running, pids))
     finally:
         _kill_group(group)
 
@@ -139,9 +124,8 @@ GROUP_SIGNAL = """
 def test_a_stop_signal_to_the_group_leaves_the_decision_to_the_loaders_process(options):
     """With `worker_options` every batch is read and the signal reached the handler; with a plain forkserver
     context (the negative control) the workers die of it and the read fails."""
-    path = os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(GROUP_SIGNAL), options], cwd=ROOT,
-                          env=env(PYTHONPATH=path), capture_output=True, text=True, timeout=120,
+                          env=script_env(), capture_output=True, text=True, timeout=120,
                           start_new_session=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if options == "vtrain":
@@ -173,10 +157,9 @@ EXIT_WITH_LIVE_WORKERS = """
 def test_a_process_that_exits_with_live_workers_ends(tmp_path, kind):
     """`end_workers` kills them at exit; without it (the negative control) multiprocessing's exit handler sends them
     SIGTERM, which they ignore, and waits for them: still waiting after 20 s (then the group is killed)."""
-    path = os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")])
     with open(tmp_path / "out", "w") as o, open(tmp_path / "err", "w") as e:
         proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(EXIT_WITH_LIVE_WORKERS), kind], cwd=ROOT,
-                                env=env(PYTHONPATH=path), stdout=o, stderr=e, start_new_session=True)
+                                env=script_env(), stdout=o, stderr=e, start_new_session=True)
         try:
             rc = proc.wait(timeout=120 if kind == "vtrain" else 20)  # bounds on a hang, not speed requirements
         except subprocess.TimeoutExpired:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import HELPERS, ROOT
 from tests.helpers.ports import free_port
 
 
@@ -19,6 +19,12 @@ def env(**extra: str) -> dict[str, str]:
     e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     e.update(extra)
     return e
+
+
+def script_env() -> dict[str, str]:
+    """`env()` for a `python -c` script that imports vtrain and the helper modules of tests/helpers by name (a
+    DataLoader worker unpickles a helper data set by its module)."""
+    return env(PYTHONPATH=os.pathsep.join([str(ROOT), str(HELPERS), os.environ.get("PYTHONPATH", "")]))
 
 
 def vtrain(*args: str, extra_env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

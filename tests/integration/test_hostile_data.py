@@ -17,7 +17,6 @@ import io
 import json
 import os
 import pickle
-import select
 import signal
 import struct
 import subprocess
@@ -30,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import env, tree_hash
+from tests.helpers.cli import script_env, tree_hash
 from tests.helpers.paths import ROOT
-from tests.helpers.fork_server import Cli, DATA_LIMIT_MB, PEAK_LIMIT_MB
+from tests.helpers.fork_server import Cli, PEAK_LIMIT_MB
 
 TRAIN = ["--batch-size", "2", "--max-steps", "1", "--num-workers", "0", "--embedding-dim", "16",
          "--mixed-precision", "no", "--neck-norm", "ln"]
@@ -446,8 +445,7 @@ def test_every_case_is_distinct():
 def _run_bounded(script: str, timeout: float, *args: str) -> subprocess.CompletedProcess:
     """Run `script` in its own process group; past `timeout` the whole group (forked children too) is killed and
     the result has returncode None."""
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers"), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *args], cwd=ROOT, env=env(PYTHONPATH=path),
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *args], cwd=ROOT, env=script_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -14,7 +14,6 @@ import json
 import os
 import pickle
 import re
-import select
 import shutil
 import signal
 import socket
@@ -29,6 +28,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.cli import env, ok, reseal
 from tests.helpers.paths import ROOT
+from tests.helpers.processes import running
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine.rundir import LOCK, STALE_AFTER_S, OutputDirLock
 from vtrain.errors import VtrainError
@@ -373,21 +373,11 @@ def _wait_for(path: Path, proc_alive, what: str, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
-    """Running (a child of the CLI server that exited is a zombie until the server waits for it)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_a_killed_runs_lock_is_taken_over(cli, faces, tmp_path):
     out = tmp_path / "run"
     job = cli.start("train", "--data", str(faces), "--output-dir", str(out), *ARGS, "--max-steps", "1000",
                     "--save-every", "1000")
-    _wait_for(out / LOCK, lambda: _alive(job["pid"]), "lock file")
+    _wait_for(out / LOCK, lambda: running(job["pid"]), "lock file")
     os.kill(job["pid"], signal.SIGKILL)
     assert cli.wait(job).returncode == -signal.SIGKILL
     assert (out / LOCK).is_file()  # left behind: its process is gone
@@ -546,7 +536,7 @@ def test_sigterm_saves_exits_143_and_resumes_exactly_while_the_dir_stays_locked(
 def test_sigint_saves_exits_130_and_resumes_exactly(cli, faces, uninterrupted, tmp_path):
     out = tmp_path / "run"
     job = cli.start("train", "--data", str(faces), "--output-dir", str(out), *ARGS, *SIG_ARGS)
-    _wait_for(out / "metrics.jsonl", lambda: _alive(job["pid"]), "logged step")
+    _wait_for(out / "metrics.jsonl", lambda: running(job["pid"]), "logged step")
     os.kill(job["pid"], signal.SIGINT)
     step = _interrupted(cli.wait(job), out, signal.SIGINT)
     _resume_matches(cli, faces, out, step, uninterrupted)
@@ -595,7 +585,7 @@ def test_debug_signal_at_step_and_a_second_signal_exits_at_once(cli, faces, tmp_
     out = tmp_path / "twice"
     job = cli.start("train", "--data", str(faces), "--output-dir", str(out), *ARGS, "--max-steps", "1000",
                     "--save-every", "1000")
-    _wait_for(out / "metrics.jsonl", lambda: _alive(job["pid"]), "logged step")
+    _wait_for(out / "metrics.jsonl", lambda: running(job["pid"]), "logged step")
     os.kill(job["pid"], signal.SIGSTOP)
     os.kill(job["pid"], signal.SIGTERM)
     os.kill(job["pid"], signal.SIGINT)
