@@ -337,12 +337,16 @@ def convert_cmd(
     model: Annotated[Optional[str], typer.Option("--model", help="Preset to fill (default: the one of the file's "
                                                  "sizes, else the source's)")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT when it is an earlier `vtrain convert` output")] = False,
+    categories: Annotated[Optional[Path], typer.Option(
+        help="Detection: JSON naming the classes, one per class row: a COCO `categories` list (id, name) or a list "
+        "of names (ids 1..N); default: the file's own names, else COCO's for COCO's class count")] = None,
 ) -> None:
-    """Convert a published checkpoint into a vtrain checkpoint that eval, predict, export and --pretrained read."""
+    """Convert a published checkpoint into a vtrain checkpoint that eval, predict, export, consolidate and
+    --pretrained read."""
     from vtrain.engine.logging import console
     from vtrain.tools.convert import convert
 
-    r = convert(src, out, source, model, overwrite)
+    r = convert(src, out, source, model, overwrite, categories)
     for note in r.notes:
         console.print(note, soft_wrap=True)
     left = "".join(f"; left out {k} ({why})" for k, why in r.unused.items())

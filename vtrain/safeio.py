@@ -20,11 +20,13 @@ import io
 import os
 import pickle
 import re
+import warnings
+import zipfile
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
-from vtrain.errors import VtrainError
+from vtrain.errors import VtrainError, shown
 
 
 class UnsafeFileError(VtrainError):
@@ -198,15 +200,58 @@ def _cause(message: str) -> str:
     return m.group(1)[:200] if m else "an unreadable pickle"
 
 
+# A torch file (torch.save since torch 1.6) is a zip archive: the pickle `<archive>/data.pkl` and one record
+# `<archive>/data/<key>` per storage. torch reads each record whole into memory, of the size the zip's central
+# directory declares (a deflated record is inflated to it), before any tensor exists. torch itself writes every record
+# stored, uncompressed (PyTorchStreamWriter, caffe2/serialize/inline_container.cc), so the records of its own files
+# add up to less than the file; a zip tool that re-packs one deflates float weights by a factor of 2 at most
+# (bfloat16-rounded fp32, tests/fixtures/README.md). docs/input_limits.md §10.
+RECORDS_PER_FILE_BYTE = 4
+RECORDS_SLACK = 64 * 2**20
+
+
+def record_bound(path: Path) -> None:
+    """Refuse a torch zip file whose records declare more bytes than RECORDS_PER_FILE_BYTE x its real size (+64 MiB),
+    from the central directory alone, before anything is read or inflated: a small deflated record declaring
+    gigabytes (a zip bomb), entries overlapping one another, sizes that lie. Other files (torch's legacy format) are
+    left to torch, which checks each storage's declared size against the bytes it reads."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":  # what torch.load tells its zip format by (`_is_zipfile`)
+            return
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as e:
+        raise VtrainError(f"cannot read {path}: a damaged zip archive ({' '.join(str(e).split())[:200]})") from None
+    declared = sum(i.file_size for i in infos)
+    limit = RECORDS_PER_FILE_BYTE * size + RECORDS_SLACK
+    if declared > limit:
+        big = max(infos, key=lambda i: i.file_size)
+        raise VtrainError(f"cannot read {path}: its {len(infos)} zip records declare {declared:,} bytes in a file of "
+                          f"{size:,} (at most {RECORDS_PER_FILE_BYTE} x its size + {RECORDS_SLACK >> 20} MiB are read; "
+                          f"the largest, {shown(big.filename)}, declares {big.file_size:,} bytes"
+                          f"{' compressed into ' + format(big.compress_size, ',') if big.compress_type else ''}): "
+                          "not a file torch wrote (docs/input_limits.md §10)")
+
+
 def load_published(path: str | Path):
     """A checkpoint another codebase wrote (`vtrain convert`, `--pretrained`): torch.load weights-only, admitting
     only the harmless classes of `_published_globals` (never `weights_only=False`). Anything else is refused in one
-    line naming the class; a file torch cannot read at all is one line too."""
+    line naming the class; a file torch cannot read at all is one line too. The sizes its zip records declare are
+    checked against the file's real size first (`record_bound`), so what torch reads into memory is bounded by it."""
     import torch
 
     path = Path(path)
     try:
-        with torch.serialization.safe_globals(_published_globals()):
+        record_bound(path)
+    except OSError as e:
+        raise VtrainError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        # torch's warnings while it unpickles (the deprecation of a class the file names, its scan of sparse tensors)
+        # are about torch, not the file, and nothing a user acts on; what the file holds is checked by its reader
+        with torch.serialization.safe_globals(_published_globals()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             # torch's own load (not enforce_weights_only's wrapper): its errors are told apart below
             return (_torch_load or torch.load)(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

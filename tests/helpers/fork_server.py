@@ -24,11 +24,12 @@ DATA_LIMIT_MB = 3072
 class Cli:
     """`vtrain ARGS` as a fresh forked child of one pre-imported server."""
 
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, script: str = "cli_server.py") -> None:
+        """`script`: the server, cli_server.py or one that prepares it first (convert_server.py)."""
         self.logs, self.n = logs, 0
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self.err = open(logs / "server.err", "w")
-        self.server = subprocess.Popen([sys.executable, str(HELPERS / "cli_server.py")], cwd=ROOT,
+        self.server = subprocess.Popen([sys.executable, str(HELPERS / script)], cwd=ROOT,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, stderr=self.err,
                                        env=env(PYTHONPATH=path))
 

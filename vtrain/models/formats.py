@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vtrain.errors import VtrainError
+from vtrain.errors import VtrainError, shown
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,102 @@ def convert_hint(path: str, name: str) -> str:
             f"vtrain convert {path} OUT --from {name}")
 
 
+def non_state_dict(obj: Any) -> str:
+    """Why `obj` (a loaded file) holds no state dict `unwrap` returns: the first entry of the dict of tensors (at the
+    top or under the containers) whose name is not a string or whose value is not a tensor, or that none is there."""
+    where: list[str] = []
+    for _ in range(len(CONTAINERS) + 1):
+        if not isinstance(obj, dict):
+            break
+        if any(isinstance(v, torch.Tensor) for v in obj.values()):
+            at = f"the state dict{' under ' + '.'.join(where) if where else ''}"
+            for k, v in obj.items():
+                if not isinstance(k, str):
+                    return f"{at} has a key {shown(k)} that is not a name"
+                if not isinstance(v, torch.Tensor):
+                    return f"{at} holds {shown(k)} as a {type(v).__name__}, not a tensor"
+            break
+        key = next((k for k in CONTAINERS if isinstance(obj.get(k), dict)), None)
+        if key is None:
+            break
+        where.append(key)
+        obj = obj[key]
+    return f"it holds no state dict of tensors (neither at the top nor under {', '.join(CONTAINERS)})"
+
+
 class AdapterError(VtrainError):
     """A published file that its converter cannot map (an unknown variant): one line naming the tensor."""
+
+
+# ---- what a source tensor may be, checked before an adapter touches it (docs/convert.md §3) ------------------------
+
+SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                 torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+"""Float weights, integer buffers (BatchNorm counters, index buffers); nothing else is a published weight."""
+BYTES_PER_FILE_BYTE = 4
+BYTES_SLACK = 64 * 2**20
+
+
+def overlapping(t: torch.Tensor) -> bool:
+    """Whether a strided tensor's elements can share memory: a zero stride on a dimension longer than 1 (an
+    `expand`ed view, where one stored value stands for many), or strides too small for the sizes below them. Dense
+    and permuted tensors, slices and tied copies (the same geometry twice) never do."""
+    reach = 0  # the largest offset reachable by the dimensions taken so far, smallest stride first
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def tensor_problem(t: torch.Tensor) -> str | None:
+    """Why a source tensor cannot be a published weight (None when it can): not a dense strided CPU tensor of a
+    float or integer dtype, or a view whose elements overlap (it would take more memory than its storage holds)."""
+    if t.is_quantized:
+        return f"a quantized tensor ({str(t.dtype).replace('torch.', '')}); vtrain converts float weights"
+    if t.layout != torch.strided or t.is_nested:
+        return f"a {'nested' if t.is_nested else str(t.layout).replace('torch.', '')} tensor; published weights are dense"
+    if t.device.type != "cpu":
+        return f"a {t.device.type} tensor, which holds no values"
+    if t.dtype not in SOURCE_DTYPES:
+        return f"of dtype {str(t.dtype).replace('torch.', '')}, not a float or integer one"
+    if t.numel() and overlapping(t):
+        return (f"a view of shape {tuple(t.shape)} with strides {t.stride()} whose elements overlap (an expanded "
+                f"tensor: {t.untyped_storage().nbytes() // t.element_size():,} stored values stand for {t.numel():,})")
+    return None
+
+
+def check_tensors(sd: dict[str, torch.Tensor], file_size: int) -> None:
+    """Every source tensor is one an adapter may copy (`tensor_problem`), and all of them together hold at most
+    BYTES_PER_FILE_BYTE x the file's size (+64 MiB) as float32 values: what an adapter and `fill` materialise is
+    then bounded by the file, before anything is copied (names sharing one storage count once each)."""
+    total, largest = 0, None
+    for name, t in sd.items():
+        problem = tensor_problem(t)
+        if problem is not None:
+            raise AdapterError(f"tensor {shown(name)} is {problem}")
+        n = t.numel() * max(4, t.element_size())
+        total += n
+        if largest is None or n > largest[1]:
+            largest = (name, n)
+    limit = BYTES_PER_FILE_BYTE * file_size + BYTES_SLACK
+    if total > limit:
+        raise AdapterError(f"its {len(sd)} tensors hold {total:,} bytes as float32 values in a file of "
+                           f"{file_size:,} (at most {BYTES_PER_FILE_BYTE} x its size + {BYTES_SLACK >> 20} MiB are "
+                           f"converted; the largest, {shown(largest[0])}, {largest[1]:,}): many names share its "
+                           "storage")
+
+
+def need(sd: dict[str, torch.Tensor], key: str, ndim: int, what: str) -> torch.Tensor:
+    """The tensor `key` an adapter reads a size from, with `ndim` dimensions (each at least 1); one line naming it
+    when the file lacks it or it has another rank."""
+    t = sd.get(key)
+    if t is None:
+        raise AdapterError(f"the file lacks {key} ({what})")
+    if t.ndim != ndim or 0 in t.shape:
+        raise AdapterError(f"tensor {key} ({what}): expected {ndim} non-empty dimensions, found shape "
+                           f"{tuple(t.shape)}")
+    return t
 
 
 @dataclass
@@ -105,3 +199,5 @@ class Converted:
     categories: list[dict[str, Any]] | None = None
     """Detection: COCO categories (id, name) in label order, written as the checkpoint's categories.json."""
     notes: list[str] = field(default_factory=list)
+    origin: dict[str, str] = field(default_factory=dict)
+    """vtrain name -> the source name it was made from, for messages (a name absent here is shown as vtrain's)."""

@@ -106,6 +106,11 @@ def _in_vtrain_checkpoint(p: Path, weights: str | None) -> Source:
     file, used = weights_file(p, weights)
     if used == "ema":  # already whole and fp32 (gathered at save time), buffers and frozen parameters included
         src = Source("state-dict", file, f"vtrain checkpoint {p} (EMA weights {file.name})")
+    elif not (p / ckpt.FSDP).is_dir() and not (p / ckpt.ACCELERATE).is_dir() and (p / ckpt.MODEL).is_file():
+        # no engine state, only the gathered weights: what `vtrain convert` writes (its step_0); the manifest, which
+        # find_verified checked, lists no engine folder, so none was lost
+        src = Source("state-dict", p / ckpt.MODEL, f"vtrain checkpoint {p} ({ckpt.MODEL}; no engine state: a "
+                                                   "converted checkpoint)")
     else:
         src = _plain(p / ckpt.FSDP, p) if (p / ckpt.FSDP).is_dir() else _plain(p / ckpt.ACCELERATE, p)
         src.description = f"vtrain checkpoint {p} ({src.description})"

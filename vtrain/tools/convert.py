@@ -1,17 +1,22 @@
 """`vtrain convert SRC OUT --from SOURCE`: a published checkpoint of another codebase -> a vtrain run directory
-whose checkpoint `vtrain eval`, `predict`, `export` and `train --pretrained` accept as they are (docs/convert.md).
+whose checkpoint `vtrain eval`, `predict`, `export`, `consolidate` and `train --pretrained` accept as they are
+(docs/convert.md).
 
 The steps, each a one-line error when it fails, nothing written before the last:
 1. OUT is claimed: a new directory (or an empty one); an earlier `vtrain convert` output only with --overwrite;
-   never a directory vtrain did not write, never inside a checkpoint.
-2. SRC is read without running code from it (safeio.load_published: weights-only, a small allowlist).
-3. Its format is recognised by its tensor names (models/formats.py): a file of another source names that source.
-4. The source's adapter (one module per source, beside the model it fills) maps every tensor; a source tensor the
-   adapter neither maps nor lists as known-unused is refused, naming it.
-5. The model of the preset is built on the meta device and every one of its tensors must be filled with its shape;
-   the first missing or mis-shaped ones are named.
-6. The run directory is staged beside OUT and renamed into place: run marker, config.yaml, and
-   checkpoints/step_0 (model.safetensors, config.yaml, train_state.json, categories.json for detection) under a
+   never a directory vtrain did not write, never inside a checkpoint. --categories FILE is read.
+2. SRC is read without running code from it (safeio.load_published: weights-only, a small allowlist), and only
+   after the sizes its zip records declare were checked against its real size.
+3. Every source tensor is one an adapter may copy (models/formats.check_tensors: dense, on the CPU, a float or
+   integer dtype, no overlapping view; all together bounded by the file's size), before anything is copied.
+4. Its format is recognised by its tensor names (models/formats.py): a file of another source names that source.
+5. The source's adapter (one module per source, beside the model it fills) maps every tensor as a view; a source
+   tensor the adapter neither maps nor lists as known-unused is refused, naming it.
+6. The model of the preset is built on the meta device and every one of its tensors must be filled with its shape
+   and a dtype of its kind; only then is each copied (`fill`), in the model's dtype, and checked finite.
+7. The run directory is staged beside OUT, checked as its readers check it (engine/content.py: the model its
+   config.yaml and categories.json describe, every tensor finite) and renamed into place: run marker, config.yaml,
+   and checkpoints/step_0 (model.safetensors, config.yaml, train_state.json, categories.json for detection) under a
    verified manifest (engine/checkpoint.py).
 """
 
@@ -30,15 +35,16 @@ import torch
 from safetensors.torch import save_file
 
 from vtrain import guarded
+from vtrain import records
 from vtrain.config import build_config
 from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import rundir
-from vtrain.errors import VtrainError
+from vtrain.engine import content, rundir
+from vtrain.errors import VtrainError, shown
 from vtrain.files import digest_share
 from vtrain.models.dino.adapters.detrex import from_detrex
 from vtrain.models.dino.adapters.idea import from_idea
 from vtrain.models.dino.adapters.mmdet import from_mmdet
-from vtrain.models.formats import CONTAINERS, FORMATS, Converted, detect, unwrap
+from vtrain.models.formats import FORMATS, AdapterError, Converted, check_tensors, detect, non_state_dict, unwrap
 from vtrain.models.metric_adapters.arcface import from_arcface_vit
 from vtrain.safeio import load_published
 from vtrain.tasks import build_model
@@ -77,41 +83,79 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
+CATEGORIES_FILE_LIMIT = 64 * 2**20
+"""--categories FILE: 65,536 categories (records.MAX_CATEGORIES) with long names fit in a few MiB."""
+
+
 def convert(src: str | Path, out: str | Path, source: str, preset: str | None = None,
-            overwrite: bool = False) -> Report:
-    """Convert `src` (a `source` checkpoint) into the run directory `out` (see the module docstring)."""
+            overwrite: bool = False, categories: str | Path | None = None) -> Report:
+    """Convert `src` (a `source` checkpoint) into the run directory `out` (see the module docstring). `categories`:
+    a JSON file naming the detector's classes (read_categories_file)."""
     src, out = Path(src), Path(out)
     if source not in SOURCES:
         raise VtrainError(f"--from: unknown source {source!r}; choose one of {', '.join(SOURCES)}")
     spec = SOURCES[source]
+    if categories is not None and spec.task != "dino":
+        raise VtrainError(f"--categories: names the classes of a detector; --from {source} is a face model")
     replaced = claim(out, overwrite)
+    given = read_categories_file(Path(categories)) if categories is not None else None
     if not src.is_file():
         raise VtrainError(f"SRC: {src} is not a file")
     whole = load_published(src)
     sd, _ = unwrap(whole)
     if sd is None:
-        raise VtrainError(f"SRC: {src} holds no state dict of tensors (neither at the top nor under "
-                          f"{', '.join(CONTAINERS)})")
+        raise VtrainError(f"SRC: {src}: {non_state_dict(whole)}")
+    try:
+        check_tensors(sd, src.stat().st_size)
+    except AdapterError as e:
+        raise VtrainError(f"SRC: {src}: {e}") from None
     found = detect(sd)
     if found != source:
         if found is not None:
             raise VtrainError(f"--from {source}: {src} is {FORMATS[found].description} checkpoint, not "
                               f"{FORMATS[source].description} one; use --from {found}")
         raise VtrainError(f"--from {source}: {src} is not {FORMATS[source].description} checkpoint (it lacks "
-                          f"{_lacks(FORMATS[source], sd)}; it holds e.g. {', '.join(sorted(sd)[:3])})")
-    conv = spec.adapter(sd, whole)
+                          f"{_lacks(FORMATS[source], sd)}; it holds e.g. {', '.join(shown(k) for k in sorted(sd)[:3])})")
+    try:
+        conv = spec.adapter(sd, whole, given) if given is not None else spec.adapter(sd, whole)
+    except AdapterError as e:
+        raise VtrainError(f"SRC: {src}: {e}") from None
     strange = sorted(set(sd) - conv.read - set(conv.unused))
     if strange:
         raise VtrainError(f"SRC: {src} holds {len(strange)} tensors that the {source} converter does not know, e.g. "
-                          f"{', '.join(strange[:3])} (another variant of the model?); refusing to drop them")
+                          f"{', '.join(shown(k) for k in strange[:3])} (another variant of the model?); refusing to "
+                          "drop them")
     name = preset or conv.model.get("preset") or spec.preset
     cfg = build_config(spec.task, overrides={"model": {**conv.model, "preset": name},
                                              "train": {"output_dir": str(out)}})
     with torch.device("meta"):  # names, shapes and dtypes only: no memory, however large the model
         own = build_model(spec.task, cfg.model, conv.num_classes).state_dict()
-    tensors = fill(own, conv.tensors, f"--model {name}")
+    tensors = fill(own, conv.tensors, f"--model {name}", conv.origin, f"SRC: {src}: ")
     written = write(out, replaced, cfg, tensors, conv.categories, {"source": source, "file": str(src.resolve())})
     return Report(out, written, name, len(tensors), conv.unused, conv.notes)
+
+
+def read_categories_file(path: Path) -> list[dict[str, Any]]:
+    """--categories FILE: a JSON list of COCO categories (objects with `id` and `name`), an object holding one under
+    `categories` (a COCO annotation file's), or a list of names (ids 1..N in that order). The rules of the COCO reader
+    and of a checkpoint's categories.json apply (records.categories)."""
+    where = f"--categories {path}"
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise VtrainError(f"{where}: cannot read it ({e.strerror or e})") from None
+    if not path.is_file():
+        raise VtrainError(f"{where}: not a file")
+    if size > CATEGORIES_FILE_LIMIT:
+        raise VtrainError(f"{where}: {size:,} bytes; a categories list is read up to {CATEGORIES_FILE_LIMIT >> 20} MiB "
+                          "(give the `categories` list alone, not a whole annotation file)")
+    data = records.read_json(path)
+    if isinstance(data, dict) and "categories" in data:
+        data = data["categories"]
+    if isinstance(data, list) and data and all(isinstance(n, str) for n in data):
+        data = [{"id": i + 1, "name": n} for i, n in enumerate(data)]
+    cats = records.categories(data, where)
+    return [{"id": c["id"], **({"name": c["name"]} if c.get("name") is not None else {})} for c in cats]
 
 
 def _lacks(fmt, sd: dict[str, torch.Tensor]) -> str:
@@ -121,23 +165,67 @@ def _lacks(fmt, sd: dict[str, torch.Tensor]) -> str:
     return ", ".join(missing[:3])
 
 
-def fill(own: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the model (`own`: its state dict, e.g. on the meta device) from `tensors`, in its dtype and
-    shape; the missing, mis-shaped or extra ones are one error naming the first of them."""
+def check_fill(own: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], what: str,
+               origin: dict[str, str] | None = None) -> None:
+    """Names and shapes only (no data): every tensor of the model (`own`: its state dict, e.g. on the meta device)
+    is in `tensors` with its shape, and nothing else is; one error naming the first that is not (and the source
+    tensor it was made from, `origin`)."""
     missing = [k for k in own if k not in tensors]
     if missing:
         raise VtrainError(f"{what}: the converted file leaves {len(missing)} of the model's {len(own)} tensors empty: "
                           f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     extra = [k for k in tensors if k not in own]
     if extra:
-        raise VtrainError(f"{what}: the model has no tensor {extra[0]} ({len(extra)} converted tensors have no place "
-                          "in it); is it the preset of this file?")
+        src = f" (made from {(origin or {})[extra[0]]})" if (origin or {}).get(extra[0], extra[0]) != extra[0] else ""
+        raise VtrainError(f"{what}: the model has no tensor {extra[0]}{src} ({len(extra)} converted tensors have no "
+                          "place in it); is it the preset of this file?")
     bad = [k for k in own if tuple(tensors[k].shape) != tuple(own[k].shape)]
     if bad:
         k = bad[0]
-        raise VtrainError(f"{what}: {len(bad)} tensors differ in shape, e.g. {k}: {tuple(tensors[k].shape)} in the "
-                          f"file, {tuple(own[k].shape)} in the model; is it the preset of this file?")
-    return {k: tensors[k].detach().to(own[k].dtype).contiguous() for k in own}
+        src = f" (the file's {(origin or {})[k]})" if (origin or {}).get(k, k) != k else ""
+        raise VtrainError(f"{what}: {len(bad)} tensors differ in shape, e.g. {k}{src}: {tuple(tensors[k].shape)} in "
+                          f"the file, {tuple(own[k].shape)} in the model; is it the preset of this file?")
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def fill(own: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], what: str,
+         origin: dict[str, str] | None = None, where: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of the model (`own`: its state dict, e.g. on the meta device) from `tensors`, each a new tensor
+    in the model's dtype and shape (a view, a tied or an expanded source is never written as it is), once
+    `check_fill` has found all of them with their shapes. Values that the model's dtype does not hold are one error
+    naming the source tensor (`origin`: model name -> source name; `where`: the prefix of those messages): an
+    integer tensor for a float weight, a float counter that is not a whole number, NaN, inf, float64 beyond
+    float32's range."""
+    check_fill(own, tensors, what, origin)
+    origin = origin or {}
+
+    def named(k: str) -> str:
+        return f"{where}tensor {origin[k]} (the model's {k})" if origin.get(k, k) != k else f"{where}tensor {k}"
+
+    out = {}
+    for k, ref in own.items():
+        t = tensors[k].detach()
+        if ref.is_floating_point() and not t.is_floating_point():
+            raise VtrainError(f"{named(k)}: {_dt(t.dtype)} values where the model holds {_dt(ref.dtype)} weights")
+        new = torch.empty(ref.shape, dtype=ref.dtype)
+        if not ref.is_floating_point() and t.is_floating_point():  # a counter saved as a float (`.float()` of a whole
+            whole = torch.isfinite(t).all() and bool((t == t.round()).all()) and bool((t.abs() < 2.0**53).all())
+            if not whole:  # state dict): whole numbers only
+                raise VtrainError(f"{named(k)}: {_dt(t.dtype)} values that are not whole numbers, where the model "
+                                  f"holds a {_dt(ref.dtype)} counter")
+        new.copy_(t)
+        if new.is_floating_point():
+            bad = new.numel() - int(torch.isfinite(new).sum())
+            if bad:
+                beyond = bad - (t.numel() - int(torch.isfinite(t).sum()))
+                why = f"; {beyond} of them finite {_dt(t.dtype)} values beyond its range" if beyond else ""
+                raise VtrainError(f"{named(k)}: holds {bad} inf/NaN values as {_dt(ref.dtype)} (of {new.numel()}"
+                                  f"{why}); refusing to write a model that no command would load")
+        out[k] = new
+    return out
 
 
 # ---- the output directory ---------------------------------------------------------------------------------------
@@ -234,5 +322,11 @@ def _stage(stage: Path, cfg, tensors: dict[str, torch.Tensor], categories: list 
                     world_size=1, engine="single").write(tmp)
     if categories is not None:
         ckpt.write_json(tmp / ckpt.CATEGORIES, categories)
+    # what the readers of a checkpoint check (eval, predict, export, --pretrained, consolidate), checked here: the
+    # model its config.yaml and class count describe (categories.json agreeing), every tensor of it, finite
+    classes = content.recorded_classes(tmp, cfg, "OUT")
+    content.expect_tensors(tmp / ckpt.MODEL, content.model_spec(cfg, classes or 0), "OUT")
+    if categories is not None:
+        ckpt.read_categories(tmp)
     files = digest_share(tmp, ckpt.payload_files(tmp))
     ckpt.commit(stage, STEP, uuid.uuid4().hex, files, keep_last=1)

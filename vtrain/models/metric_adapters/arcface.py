@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from vtrain.models.formats import AdapterError, Converted
+from vtrain.models.formats import Converted, need
 from vtrain.presets import METRIC_PRESETS
 
 # arcface_torch's transformer tensors, which vtrain's timm backbone names alike
@@ -43,21 +43,20 @@ def preset_for(width: int, depth: int) -> str | None:
 def from_arcface_vit(sd: dict[str, torch.Tensor], whole: object = None) -> Converted:
     """Map an arcface_torch ViT state dict (model.pt, or `state_dict_backbone` of checkpoint_gpu_<rank>.pt)."""
     tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     for name, t in sd.items():
-        if _BACKBONE.match(name):
-            tensors[f"backbone.{name}"] = t
-        elif name in _NECK:
-            tensors[_NECK[name]] = t
-    if "pos_embed" not in sd or sd["pos_embed"].ndim != 3 or "feature.3.running_mean" not in sd:
-        raise AdapterError("an arcface_torch ViT file has `pos_embed` (1, tokens, width) and `feature.3`; this one "
-                           "lacks them")
-    width = sd["pos_embed"].shape[-1]
+        new = f"backbone.{name}" if _BACKBONE.match(name) else _NECK.get(name)
+        if new is not None:  # views: convert.fill copies each once its shape is checked
+            tensors[new], origin[new] = t, name
+    pos = need(sd, "pos_embed", 3, "arcface_torch's position embedding, (1, tokens, width)")
+    width = pos.shape[-1]
     depth = len({int(m.group(1)) for n in sd if (m := re.match(r"blocks\.(\d+)\.", n))})
-    model = {"embedding_dim": int(sd["feature.3.running_mean"].shape[0]), "image_size": 112, "neck_norm": "bn"}
+    embedding = need(sd, "feature.3.running_mean", 1, "the embedding's BatchNorm statistics").shape[0]
+    model = {"embedding_dim": int(embedding), "image_size": 112, "neck_norm": "bn"}
     preset = preset_for(width, depth)
     if preset is not None:
         model["preset"] = preset
-    notes = [f"arcface_torch ViT: width {width}, depth {depth}, {sd['pos_embed'].shape[1]} tokens, embedding "
+    notes = [f"arcface_torch ViT: width {width}, depth {depth}, {pos.shape[1]} tokens, embedding "
              f"{model['embedding_dim']}" + (f" (preset {preset})" if preset else " (no preset has these sizes)")]
-    return Converted(tensors, set(n for n in sd if _BACKBONE.match(n) or n in _NECK),
-                     {n: why for n, why in UNUSED.items() if n in sd}, model, num_classes=0, notes=notes)
+    return Converted(tensors, set(origin.values()), {n: why for n, why in UNUSED.items() if n in sd}, model,
+                     num_classes=0, notes=notes, origin=origin)

@@ -10,8 +10,9 @@ Key layout of detrex at e244e6c3 (`projects/dino/modeling/dino.py`, `dino_transf
   `attentions.1` (cross-attention), `norms.1`, `ffns.0`, `norms.2`;
 - heads `class_embed.{i}` / `bbox_embed.{i}`, one per decoder layer plus the encoder proposals' (the last), saved
   again as `transformer.decoder.class_embed.{i}` / `bbox_embed.{i}` (the same tensors: checked, read once);
-- classes: 80 contiguous rows in COCO category-id order (detectron2's thing classes), vtrain's order too;
-  `label_enc` has those 80 rows and vtrain adds its zero padding row.
+- classes: contiguous rows in category-id order (detectron2's thing classes: 80 for COCO), vtrain's order too;
+  `label_enc` has those rows and vtrain adds its zero padding row. A detectron2 checkpoint records no class names:
+  a head of another size than COCO's 80 needs `--categories`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any
 
 import torch
 
-from vtrain.models.dino.adapters import Layout, coco_categories, dino_preset, layer_name, swin_name, top_name, untie
-from vtrain.models.formats import Converted
+from vtrain.models.dino.adapters import (Layout, contiguous_categories, dino_preset, layer_name, padded, queries,
+                                         swin_name, top_name, untie)
+from vtrain.models.formats import Converted, need
 
 OPTIONS: dict[str, Any] = {"neck_bias": True, "pos_temperature": 10000.0, "pos_offset": -0.5, "pos_normalize": True,
                            "mask_invalid_proposals": False, "refine_eps": 1e-3, "box_eps": 1e-3,
@@ -47,7 +49,7 @@ def layout(sd: dict[str, torch.Tensor]) -> Layout:
 def name(key: str, lay: Layout) -> str | None:
     """vtrain's name for a detrex key (None: unknown; tied copies and buffers: `from_detrex`)."""
     if key.startswith("backbone."):
-        return swin_name(key[len("backbone."):], lay)
+        return swin_name(key, "backbone.", lay)
     if (top := top_name(key, _TOP)) is not None:
         return top
     m = re.fullmatch(r"transformer\.(encoder|decoder)\.layers\.(\d+)\.(.+)", key)
@@ -63,13 +65,15 @@ def name(key: str, lay: Layout) -> str | None:
     return None
 
 
-def from_detrex(sd: dict[str, torch.Tensor], whole: Any = None, categories: str = "coco") -> Converted:
-    """vtrain's DINO tensors from a detrex DINO state dict (80 COCO classes in id order; `categories` must be
-    `coco`: the file's rows are already those)."""
+def from_detrex(sd: dict[str, torch.Tensor], whole: Any = None,
+                categories: list[dict[str, Any]] | None = None) -> Converted:
+    """vtrain's DINO tensors from a detrex DINO state dict (contiguous class rows in id order: COCO's 80, or the
+    `categories` of --categories, one per row)."""
     lay = layout(sd)
-    cats = coco_categories()
-    rows = sd["class_embed.0.weight"].shape[0] if "class_embed.0.weight" in sd else 0
+    rows = need(sd, "class_embed.0.weight", 2, "the class head of decoder layer 0").shape[0]
+    cats = contiguous_categories(rows, categories, None, "")
     out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     read: set[str] = set()
     unused: dict[str, str] = {}
     for key, t in sd.items():
@@ -82,18 +86,18 @@ def from_detrex(sd: dict[str, torch.Tensor], whole: Any = None, categories: str 
             unused[key] = f"a tied copy of {m.group(1)}.{m.group(2)}.{m.group(3)}"
             continue
         if key == "label_enc.weight":
-            out["label_embed.weight"] = torch.cat([t, t.new_zeros(1, t.shape[1])])
+            new, value = "label_embed.weight", padded(t, key)
         else:
-            new = name(key, lay)
+            new, value = name(key, lay), t  # a view: convert.fill copies it once its shape is checked
             if new is None:
                 continue
-            out[new] = t.clone()
+        out[new], origin[new] = value, key
         read.add(key)
-    model = {**OPTIONS, "num_queries": sd["transformer.tgt_embed.weight"].shape[0]}
-    preset = dino_preset(sd["backbone.patch_embed.proj.weight"].shape[0] if "backbone.patch_embed.proj.weight" in sd
-                         else 0, lay)
+    model = {**OPTIONS, "num_queries": queries(sd, "transformer.tgt_embed.weight")}
+    embed = "backbone.patch_embed.proj.weight"
+    preset = dino_preset(need(sd, embed, 4, "the Swin patch embedding").shape[0] if embed in sd else 0, lay)
     if preset:
         model["preset"] = preset
     return Converted(out, read, unused, model, rows, cats,
                      [f"detrex DINO: {len(read)} tensors read, {len(unused)} left out (tied head copies, index "
-                      f"buffers); model options {OPTIONS}"])
+                      f"buffers); classes: {rows}; model options {OPTIONS}"], origin)

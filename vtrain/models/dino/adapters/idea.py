@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from vtrain.models.dino.adapters import (Layout, categories_for, class_rows, dino_preset, layer_name, swin_name,
-                                         top_name, untie)
-from vtrain.models.formats import Converted
+from vtrain.config.model import MAX_DN_QUERIES
+from vtrain.models.dino.adapters import (Layout, arg_int, categories_for, class_rows, dino_preset, layer_name,
+                                         queries, swin_name, top_name, untie)
+from vtrain.models.formats import Converted, need
 
 OPTIONS: dict[str, Any] = {"neck_bias": True, "pos_temperature": 20.0, "pos_offset": 0.0, "pos_normalize": True,
                            "mask_invalid_proposals": False, "refine_eps": 1e-3, "box_eps": 1e-3,
@@ -49,7 +50,7 @@ def layout(sd: dict[str, torch.Tensor]) -> Layout:
 def name(key: str, lay: Layout) -> str | None:
     """vtrain's name for an IDEA key copied as it is (class rows and tied copies: `from_idea`); None: unknown."""
     if key.startswith("backbone.0."):
-        return swin_name(key[len("backbone.0."):], lay)
+        return swin_name(key, "backbone.0.", lay)
     if (top := top_name(key, _TOP)) is not None:
         return top
     m = re.fullmatch(r"transformer\.(encoder|decoder)\.layers\.(\d+)\.(.+)", key)
@@ -68,13 +69,17 @@ def name(key: str, lay: Layout) -> str | None:
     return None
 
 
-def from_idea(sd: dict[str, torch.Tensor], whole: Any = None, categories: str = "coco") -> Converted:
-    """vtrain's DINO tensors from an IDEA DINO state dict. `categories`: `coco` (the 80 COCO categories, class
-    rows selected by id) or `source` (every row, ids 0..90 as IDEA indexes them)."""
+def from_idea(sd: dict[str, torch.Tensor], whole: Any = None,
+              categories: str | list[dict[str, Any]] | None = None) -> Converted:
+    """vtrain's DINO tensors from an IDEA DINO state dict. `categories`: None (the 80 COCO categories, class rows
+    selected by id, for a head of COCO's 91 rows), `source` (every row, ids 0..rows-1 as IDEA indexes them) or the
+    categories of --categories (their rows selected by id)."""
     lay = layout(sd)
-    cats = categories_for(categories, sd["class_embed.0.weight"].shape[0] if "class_embed.0.weight" in sd else 0)
+    head = need(sd, "class_embed.0.weight", 2, "the class head of decoder layer 0")
+    cats = categories_for(categories, head.shape[0])
     ids = [c["id"] for c in cats]
     out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     read: set[str] = set()
     unused: dict[str, str] = {}
     for key, t in sd.items():
@@ -89,23 +94,25 @@ def from_idea(sd: dict[str, torch.Tensor], whole: Any = None, categories: str = 
         m = re.fullmatch(r"(class_embed\.(\d+)|transformer\.enc_out_class_embed)\.(weight|bias)", key)
         if m:
             layer = m.group(2) if m.group(2) is not None else lay.dec_layers
-            out[f"cls_heads.{layer}.{m.group(3)}"] = class_rows(t, ids, key)
+            new, value = f"cls_heads.{layer}.{m.group(3)}", class_rows(t, ids, key)
         elif key == "label_enc.weight":
-            out["label_embed.weight"] = class_rows(t, ids, key, extra_rows=1)
+            new, value = "label_embed.weight", class_rows(t, ids, key, extra_rows=1)
         else:
-            new = name(key, lay)
+            new, value = name(key, lay), t  # a view: convert.fill copies it once its shape is checked
             if new is None:
                 continue  # convert refuses the file, naming it
-            out[new] = t.clone()
+        out[new], origin[new] = value, key
         read.add(key)
     args = whole.get("args") if isinstance(whole, dict) else None
-    model = {**OPTIONS, "num_queries": sd["transformer.tgt_embed.weight"].shape[0]}
-    if getattr(args, "dn_number", None) is not None:
-        model["dn_queries"] = int(args.dn_number)
-    preset = dino_preset(sd["backbone.0.patch_embed.proj.weight"].shape[0] if "backbone.0.patch_embed.proj.weight"
-                         in sd else 0, lay)
+    model = {**OPTIONS, "num_queries": queries(sd, "transformer.tgt_embed.weight")}
+    dn = arg_int(args, "dn_number", 0, MAX_DN_QUERIES, "IDEA's denoising queries")
+    if dn is not None:
+        model["dn_queries"] = dn
+    embed = "backbone.0.patch_embed.proj.weight"
+    preset = dino_preset(need(sd, embed, 4, "the Swin patch embedding").shape[0] if embed in sd else 0, lay)
     if preset:
         model["preset"] = preset
+    which = "given" if isinstance(categories, list) else categories or "coco"
     return Converted(out, read, unused, model, len(cats), cats,
                      [f"IDEA DINO: {len(read)} tensors read, {len(unused)} left out (tied head copies, index "
-                      f"buffers); classes: {len(cats)} ({categories}); model options {OPTIONS}"])
+                      f"buffers); classes: {len(cats)} ({which}); model options {OPTIONS}"], origin)

@@ -14,7 +14,9 @@ Key layout of mmdetection 3.3.0 (`mmdet/models/detectors/dino.py`, `deformable_d
   `norms.0`, `cross_attn`, `norms.1`, `ffn`, `norms.2`;
 - `bbox_head.cls_branches.{i}` / `reg_branches.{i}.{0,2,4}`: one per decoder layer plus the encoder proposals'
   (the last); `query_embedding`, `memory_trans_fc`, `memory_trans_norm`, `dn_query_generator.label_embedding`;
-- classes: 80 contiguous rows in COCO category-id order (`CocoDataset.METAINFO`), vtrain's order too.
+- classes: contiguous rows in category-id order (`CocoDataset.METAINFO`: COCO's 80), vtrain's order too; their
+  names are the checkpoint's `meta.dataset_meta.classes` (mmengine's runner saves the dataset's metainfo there),
+  the row count is the class head's.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from typing import Any
 
 import torch
 
-from vtrain.models.dino.adapters import Layout, coco_categories, dino_preset, layer_name, renamed, top_name
-from vtrain.models.formats import Converted
+from vtrain.models.dino.adapters import (Layout, contiguous_categories, dino_preset, file_class_names, layer_name,
+                                         out_norm, padded, queries, renamed, top_name)
+from vtrain.models.formats import AdapterError, Converted, need
 
 OPTIONS: dict[str, Any] = {"neck_bias": False, "pos_temperature": 20.0, "pos_offset": 0.0, "pos_normalize": True,
                            "mask_invalid_proposals": False, "refine_eps": 1e-3, "box_eps": 1e-5,
@@ -49,13 +52,16 @@ def layout(sd: dict[str, torch.Tensor]) -> Layout:
     return Layout(tuple(outs), heads - 1)
 
 
-def unfold_to_swin(t: torch.Tensor) -> torch.Tensor:
+def unfold_to_swin(t: torch.Tensor, key: str = "") -> torch.Tensor:
     """A PatchMerging tensor over the 4C merged channels (reduction weight: last dim; norm: the only dim) from
     mmdet's unfold order (channel-major, offsets (0,0), (0,1), (1,0), (1,1)) to Swin's (offset-major, offsets
     (0,0), (1,0), (0,1), (1,1))."""
+    if t.ndim not in (1, 2) or t.shape[-1] % 4 or 0 in t.shape:
+        raise AdapterError(f"tensor {key}: a patch-merging tensor over 4 x C merged channels (1 or 2 dimensions, the "
+                           f"last a non-zero multiple of 4) expected, found shape {tuple(t.shape)}")
     lead, c4 = t.shape[:-1], t.shape[-1]
     x = t.reshape(*lead, c4 // 4, 4).transpose(-1, -2)  # (..., offset in unfold order, C)
-    return x[..., [0, 2, 1, 3], :].reshape(*lead, c4).clone()
+    return x[..., [0, 2, 1, 3], :].reshape(*lead, c4)
 
 
 def name(key: str, lay: Layout) -> str | None:
@@ -65,7 +71,7 @@ def name(key: str, lay: Layout) -> str | None:
         return f"backbone.body.layers.{int(m.group(1)) + 1}.downsample.{m.group(2)}"
     m = re.fullmatch(r"backbone\.norm(\d+)\.(.+)", key)
     if m:
-        return f"backbone.out_norms.{lay.out_indices.index(int(m.group(1)))}.{m.group(2)}"
+        return out_norm(int(m.group(1)), m.group(2), key, lay)
     m = re.fullmatch(r"backbone\.stages\.(\d+)\.blocks\.(\d+)\.(.+)", key)
     if m:
         rest = renamed(m.group(3), _SWIN) or m.group(3)
@@ -90,12 +96,25 @@ def name(key: str, lay: Layout) -> str | None:
     return None
 
 
-def from_mmdet(sd: dict[str, torch.Tensor], whole: Any = None, categories: str = "coco",
+def dataset_classes(whole: Any) -> list[str] | None:
+    """The class names mmengine's runner saved with the weights (`meta.dataset_meta.classes`), or None."""
+    meta = whole.get("meta") if isinstance(whole, dict) else None
+    dataset = meta.get("dataset_meta") if isinstance(meta, dict) else None
+    if not isinstance(dataset, dict) or dataset.get("classes") is None:
+        return None
+    return file_class_names(dataset["classes"], "meta.dataset_meta.classes")
+
+
+def from_mmdet(sd: dict[str, torch.Tensor], whole: Any = None, categories: list[dict[str, Any]] | None = None,
                unfold_order: bool = True) -> Converted:
-    """vtrain's DINO tensors from an mmdet DINO state dict (80 COCO classes in id order). `unfold_order=False`
-    copies the downsampling tensors as they are (only to show that their order matters: tests)."""
+    """vtrain's DINO tensors from an mmdet DINO state dict (contiguous class rows in id order, named by the file's
+    `meta.dataset_meta.classes` or by the `categories` of --categories). `unfold_order=False` copies the
+    downsampling tensors as they are (only to show that their order matters: tests)."""
     lay = layout(sd)
+    rows = need(sd, "bbox_head.cls_branches.0.weight", 2, "the class head of decoder layer 0").shape[0]
+    cats = contiguous_categories(rows, categories, dataset_classes(whole), "meta.dataset_meta.classes")
     out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     read: set[str] = set()
     unused: dict[str, str] = {}
     for key, t in sd.items():
@@ -103,22 +122,23 @@ def from_mmdet(sd: dict[str, torch.Tensor], whole: Any = None, categories: str =
             unused[key] = "an index buffer vtrain computes"
             continue
         if key == "dn_query_generator.label_embedding.weight":
-            out["label_embed.weight"] = torch.cat([t, t.new_zeros(1, t.shape[1])])
-            read.add(key)
-            continue
-        new = name(key, lay)
-        if new is None:
-            continue  # convert refuses the file, naming it
-        merging = re.fullmatch(r"backbone\.stages\.\d+\.downsample\.(reduction\.weight|norm\.weight|norm\.bias)", key)
-        out[new] = unfold_to_swin(t) if merging and unfold_order else t.clone()
+            new, value = "label_embed.weight", padded(t, key)
+        else:
+            new = name(key, lay)
+            if new is None:
+                continue  # convert refuses the file, naming it
+            merging = re.fullmatch(r"backbone\.stages\.\d+\.downsample\.(reduction\.weight|norm\.weight|norm\.bias)",
+                                   key)
+            value = unfold_to_swin(t, key) if merging and unfold_order else t  # else a view: fill copies it
+        out[new], origin[new] = value, key
         read.add(key)
-    rows = sd["bbox_head.cls_branches.0.weight"].shape[0] if "bbox_head.cls_branches.0.weight" in sd else 0
-    model = {**OPTIONS, "num_queries": sd["query_embedding.weight"].shape[0]}
-    embed = sd["backbone.patch_embed.projection.weight"].shape[0] if "backbone.patch_embed.projection.weight" in sd \
-        else 0
-    preset = dino_preset(embed, lay)
+    model = {**OPTIONS, "num_queries": queries(sd, "query_embedding.weight")}
+    embed = "backbone.patch_embed.projection.weight"
+    preset = dino_preset(need(sd, embed, 4, "the Swin patch embedding").shape[0] if embed in sd else 0, lay)
     if preset:
         model["preset"] = preset
-    return Converted(out, read, unused, model, rows, coco_categories(),
+    return Converted(out, read, unused, model, rows, cats,
                      [f"mmdetection DINO: {len(read)} tensors read, {len(unused)} index buffers left out; "
-                      f"PatchMerging channels put back in Swin order; model options {OPTIONS}"])
+                      f"PatchMerging channels put back in Swin order; classes: {rows}"
+                      f"{' named by the file' if categories is None and dataset_classes(whole) else ''}; "
+                      f"model options {OPTIONS}"], origin)
