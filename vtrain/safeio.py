@@ -203,9 +203,9 @@ def _cause(message: str) -> str:
 # A torch file (torch.save since torch 1.6) is a zip archive: the pickle `<archive>/data.pkl` and one record
 # `<archive>/data/<key>` per storage. torch reads each record whole into memory, of the size the zip's central
 # directory declares (a deflated record is inflated to it), before any tensor exists. torch itself writes every record
-# stored, uncompressed (PyTorchStreamWriter, caffe2/serialize/inline_container.cc), so the records of its own files
-# add up to less than the file; a zip tool that re-packs one deflates float weights by a factor of 2 at most
-# (bfloat16-rounded fp32, tests/fixtures/README.md). docs/input_limits.md §10.
+# stored, uncompressed (PyTorchStreamWriter, caffe2/serialize/inline_container.cc; every record of the fixtures), so
+# the records of its own files add up to less than the file; a zip tool that re-packs one deflates float weights by
+# 1.08 (random fp32) to 2.3 (bfloat16-rounded fp32, the fixtures) at level 9. docs/input_limits.md §10.
 RECORDS_PER_FILE_BYTE = 4
 RECORDS_SLACK = 64 * 2**20
 

@@ -446,6 +446,7 @@ def _damage(path: Path, how: tuple) -> None:
     path.write_bytes(bytes(raw))
 
 
+@pytest.mark.fuzz
 @pytest.mark.parametrize("peer", list(PEERS))
 def test_fuzz_published_checkpoint(peer, server, tmp_path_factory, monkeypatch):
     """Generated variants of each source's published dict (renamed, missing and extra keys, values of other shapes,
