@@ -182,6 +182,8 @@ CASES: dict[str, tuple] = {
                            ["feature.1.num_batches_tracked", "not whole numbers"]),
     "a list for a tensor": ("arcface", variant("arcface", put("norm.weight", [1.0, 2.0])), ["'norm.weight'", "list"]),
     "a key that is no name": ("idea", variant("idea", put(3, torch.ones(2))), ["key 3"]),
+    "a layer index of 5,000 digits": ("mmdet", variant("mmdet", put(f"backbone.stages.{'9' * 5000}.downsample.x",
+                                                                     torch.ones(2))), ["name of 5,031 characters"]),
     "0-d where 2-d": ("idea", variant("idea", put("transformer.tgt_embed.weight", torch.tensor(1.0))),
                       ["transformer.tgt_embed.weight", "found shape ()"]),
     "1-d class head": ("idea", variant("idea", put("class_embed.0.weight", torch.ones(91))),

@@ -117,6 +117,9 @@ SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
 """Float weights, integer buffers (BatchNorm counters, index buffers); nothing else is a published weight."""
 BYTES_PER_FILE_BYTE = 4
 BYTES_SLACK = 64 * 2**20
+MAX_NAME = 1000
+"""Characters in a tensor name: a layer index in a name is read as an int, and Python refuses to read more than 4300
+digits (docs/input_limits.md §8)."""
 
 
 def overlapping(t: torch.Tensor) -> bool:
@@ -154,6 +157,9 @@ def check_tensors(sd: dict[str, torch.Tensor], file_size: int) -> None:
     then bounded by the file, before anything is copied (names sharing one storage count once each)."""
     total, largest = 0, None
     for name, t in sd.items():
+        if len(name) > MAX_NAME:  # the longest of the peers' full-size files is under 100 (tests/fixtures/*keys.json)
+            raise AdapterError(f"a tensor name of {len(name):,} characters ({shown(name)}); names are at most "
+                               f"{MAX_NAME}")
         problem = tensor_problem(t)
         if problem is not None:
             raise AdapterError(f"tensor {shown(name)} is {problem}")
