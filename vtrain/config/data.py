@@ -8,6 +8,9 @@ from vtrain.config.fields import NO_FLAG, Section
 from vtrain.config.model import MIN_DETECTION_SIZE
 
 DEMO_DATA = "demo"  # --data demo: the task's built-in data set (data/demo.py)
+# the training images of `--data demo` per task (data/demo_faces.py: 200 identities x 12; data/demo_shapes.py's
+# train split; tests/core/test_config.py checks both), so a batch larger than the demo set is one line at once
+DEMO_TRAIN_IMAGES = {"metric": 200 * 12, "dino": 240}
 # PIL's own decompression-bomb limit (PIL.Image.MAX_IMAGE_PIXELS, 1024^3 / 4 / 3: a 1 GB RGB image at 32 bits per
 # pixel); torchvision's decoders have none, so vtrain applies it to every image it decodes (docs/input_limits.md)
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
