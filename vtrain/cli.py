@@ -21,7 +21,7 @@ import typer
 from vtrain import recompute
 from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, Option, config_from_flags, options  # noqa: F401
 from vtrain.config.paths import check_exists, check_demo_batch
-from vtrain.console import console, header, log_to, plain, start_log
+from vtrain.console import console, end_log, header, log_to, plain, start_log
 from vtrain.engine.ds_config import check_ds_config
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.engine.run_files import check_new_run, eval_log
@@ -373,9 +373,10 @@ def main() -> None:
         code = _run()
     except Exception:
         if _groups_left() == groups:
-            raise
+            raise  # the traceback reaches the log too: it ends at exit (console.start_log)
         traceback.print_exc()  # what the interpreter prints for an uncaught exception, then exit 1
         code = 1
+    end_log()  # the command's log file (train.log, eval.log) holds its last line, the error line included
     _exit(code, groups)
 
 

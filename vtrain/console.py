@@ -195,9 +195,8 @@ def end_log() -> None:
 def header(command: str) -> str:
     """The first line of a log for one start of `command` (`train`, `eval`): when, which process, the command line.
     engine/rundir.py recognises vtrain's logs by it."""
-    argv = " ".join(sys.argv[1:]) if sys.argv and Path(sys.argv[0]).name in ("vtrain", "__main__.py") else ""
-    return (f"vtrain {command} log: {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} on {socket.gethostname()}"
-            + (f": vtrain {argv}" if argv else ""))
+    return (f"vtrain {command} log: {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} on {socket.gethostname()}: "
+            f"vtrain {' '.join(sys.argv[1:])}")
 
 
 def tracked(items: Iterable[T], total: int, label: str, show: bool = True, unit: str = "batches") -> Iterator[T]:
