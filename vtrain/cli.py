@@ -113,18 +113,11 @@ def evaluate(
         help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
-    box AP. The console also goes to the run directory's eval.log."""
+    box AP. With --save-predictions the console also goes to eval.log beside the predictions."""
     check_exists(checkpoint, "--checkpoint")
-    start_log()
-    from vtrain.engine import checkpoint as ckpt
+    start_log()  # kept for eval.log, written once the predictions are (the evaluation's output place)
     from vtrain.tools.evaluate import evaluate_checkpoint
 
-    found = ckpt.find(checkpoint)
-    log, why = eval_log(found) if found is not None else (None, "")
-    if log is not None:
-        log_to(log, header("eval"))
-    elif why:
-        console.print(f"no eval.log: {why}", soft_wrap=True)
     if best:
         from vtrain.engine.best import best_checkpoint
 
@@ -136,6 +129,11 @@ def evaluate(
                                             save_predictions, weights, overwrite, image_size, max_size)
     if classwise and "per_class" not in metrics:
         raise VtrainError("--classwise: only for detection checkpoints")
+    log, why = eval_log(save_predictions) if save_predictions else (None, "")
+    if log is not None:
+        log_to(log, header("eval"))
+    elif why:
+        console.print(f"no eval.log: {why}", soft_wrap=True)
     size = f", test size {metrics['test_size'][0]}/{metrics['test_size'][1]}" if "test_size" in metrics else ""
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint} ({metrics['weights']} "
                                                         f"weights{size})"))

@@ -32,8 +32,8 @@ MARKER_FORMAT = "vtrain-run"
 HEARTBEAT_S = 15.0
 STALE_AFTER_S = 120.0
 LOG_FILES = ("metrics.jsonl", "eval.jsonl", "run_info.json")
-# the console's logs (vtrain/console.py): `train` appends to train.log (rank 0), `vtrain eval` of the run's checkpoints
-# to eval.log; each start begins with a header line. A new run may find them (an earlier start that stopped before its
+# the console's logs (vtrain/console.py): `train` appends to train.log (rank 0), `vtrain eval --save-predictions FILE`
+# to the eval.log beside FILE; each start begins with a header line. A new run may find them (an earlier start that stopped before its
 # first step wrote one): they are appended to, never a reason to refuse the directory; --overwrite-output-dir deletes
 # them with the other logs.
 TRAIN_LOG, EVAL_LOG = "train.log", "eval.log"
@@ -257,16 +257,16 @@ _RECOGNISE = {
 }
 
 
-def eval_log(checkpoint: Path) -> tuple[Path | None, str]:
-    """Where `vtrain eval` of `checkpoint` (a verified checkpoints/step_<N>) keeps its console: the run directory's
-    eval.log, when the checkpoint lies in a vtrain run directory whose eval.log is absent or a regular file of
-    vtrain's that this process may append to. Else (None, why not) for the note."""
-    run = Path(checkpoint).parent.parent
-    log = run / EVAL_LOG
-    if Path(checkpoint).parent.name != ckpt.CHECKPOINTS or not is_marker(run / MARKER):
-        return None, f"{checkpoint} is not in a vtrain run directory"
+def eval_log(predictions: str | Path) -> tuple[Path | None, str]:
+    """Where `vtrain eval --save-predictions FILE` keeps its console: eval.log beside FILE (its output place; an
+    evaluation writes nothing else, and never into the run it reads). None and why not (for a note) when that
+    folder lies in a checkpoint or eval.log there is a link, a special file or not vtrain's, or cannot be written."""
+    folder = Path(predictions).parent
+    log = folder / EVAL_LOG
+    if ckpt.inside_checkpoint(log) is not None:
+        return None, f"{folder} is inside a checkpoint"
     if os.path.lexists(log) and (log.is_symlink() or guarded.not_regular(log) or not _RECOGNISE[EVAL_LOG](log)):
         return None, f"{log} is not vtrain's eval log"
-    if not os.access(log if log.exists() else run, os.W_OK):
-        return None, f"{log if log.exists() else run} is read-only"
+    if not os.access(log if log.exists() else folder, os.W_OK):
+        return None, f"{log if log.exists() else folder} is not writable"
     return log, ""
