@@ -51,7 +51,8 @@ def test_logs_piped_tables_and_eval_every_zero(faces, tmp_path):
         assert [r["step"] for r in metrics(run)] == [1, 2, 3]
         assert [json.loads(x)["step"] for x in (run / "eval.jsonl").read_text().splitlines()] == [2]
         log = (run / "train.log").read_text()
-        assert sum(x.startswith("vtrain train log: ") for x in log.splitlines()) == 2 and "eval held-out" not in second.stdout
+        assert sum(x.startswith("vtrain train log: ") for x in log.splitlines()) == 2
+        assert "eval held-out" not in second.stdout
         # vtrain eval writes nothing into the run it reads (its eval.log goes beside --save-predictions, detection's
         # output place: tests/engine/test_run_files.py); --json is one line, the table's rows whole
         before = sorted(p.name for p in run.iterdir())

@@ -37,8 +37,9 @@ WHY = {
     "cpu_adam": "DeepSpeed's CPU Adam, the optimizer step of ZeRO-Offload (optimizer states on the CPU)",
 }
 """What each op a vtrain run builds is for (another op is announced by its name)."""
-TYPICAL = "a few minutes on a 2-core machine (up to 10 when it is busy)"
-"""How long one cold build can take: docs/parallelism.md has the measured times."""
+TYPICAL = "a few minutes on an idle machine, up to 20 on a busy 2-core one"
+"""How long one cold build can take (docs/parallelism.md, measured: both ops together 190 s of CPU time; 11 and 20
+minutes of wall time on a 2-core machine under a load of 15)."""
 
 
 def extensions_dir(name: str) -> Path:

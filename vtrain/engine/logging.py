@@ -124,7 +124,8 @@ def append_line(path: Path, line: str) -> None:
 
 
 class StatsWindow:
-    """Sums of the per-step stats since the last log line (the LR: its last value). Device tensors are summed on the device (NaN values
+    """Sums of the per-step stats since the last log line (the LR: its last value, the one in force at the logged
+    step). Device tensors are summed on the device (NaN values
     left out and counted there too, as a host-side `isnan` test would need a sync per step); host floats here."""
 
     def __init__(self) -> None:

@@ -33,9 +33,9 @@ HEARTBEAT_S = 15.0
 STALE_AFTER_S = 120.0
 LOG_FILES = ("metrics.jsonl", "eval.jsonl", "run_info.json")
 # the console's logs (vtrain/console.py): `train` appends to train.log (rank 0), `vtrain eval --save-predictions FILE`
-# to the eval.log beside FILE; each start begins with a header line. A new run may find them (an earlier start that stopped before its
-# first step wrote one): they are appended to, never a reason to refuse the directory; --overwrite-output-dir deletes
-# them with the other logs.
+# to the eval.log beside FILE; each start begins with a header line. A new run may find them (an earlier start that
+# stopped before its first step wrote one): they are appended to, never a reason to refuse the directory;
+# --overwrite-output-dir deletes them with the other logs.
 TRAIN_LOG, EVAL_LOG = "train.log", "eval.log"
 CONSOLE_LOGS = (TRAIN_LOG, EVAL_LOG)
 # the files a run replaces, rewrites or (--overwrite-output-dir) deletes: each must be vtrain's (`foreign_files`)

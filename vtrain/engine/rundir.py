@@ -44,13 +44,14 @@ from vtrain import guarded
 from vtrain.dist import AgreedError, broadcast_from_main, gather_objects, is_main
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine.run_files import (CONSOLE_LOGS, EVAL_LOG, HEARTBEAT_S, LOCK, LOG_FILES, MARKER, MARKER_FORMAT,
-                                     RUN_FILES, TRAIN_LOG, check_links, check_owned, check_place, earlier_run,
-                                     foreign_files, is_marker, lock_holder, read_lock)
+                                     RUN_FILES, STALE_AFTER_S, TRAIN_LOG, check_links, check_owned, check_place,
+                                     earlier_run, foreign_files, is_marker, lock_holder, read_lock)
 from vtrain.errors import VtrainError
 from vtrain.files import write_json_atomic, write_text_atomic
 
-__all__ = ["CONSOLE_LOGS", "EVAL_LOG", "LOCK", "MARKER", "MARKER_FORMAT", "RUN_FILES", "TRAIN_LOG", "OutputDirLock",
-           "check_links", "check_shared", "claim", "foreign_files", "lock_seen", "read_lock",
+# the names of run_files.py that rundir's users read here
+__all__ = ["CONSOLE_LOGS", "EVAL_LOG", "LOCK", "MARKER", "MARKER_FORMAT", "RUN_FILES", "STALE_AFTER_S", "TRAIN_LOG",
+           "OutputDirLock", "check_links", "check_shared", "claim", "foreign_files", "lock_seen", "read_lock",
            "truncate_logs"]
 
 
