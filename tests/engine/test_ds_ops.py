@@ -4,6 +4,7 @@ build, on rank 0 only; a cached one loads without a word."""
 from __future__ import annotations
 
 import io
+import os
 import sys
 
 from vtrain.engine import ds_ops
@@ -11,6 +12,12 @@ from vtrain.engine import ds_ops
 
 class _Builder:
     name = "cpu_adam"
+
+    def sources(self):
+        return ["csrc/adam/cpu_adam.cpp"]
+
+    def deepspeed_src_path(self, path):
+        return f"/site-packages/deepspeed/ops/{path}"
 
     def jit_load(self, verbose=True):
         print("(compiling)")
@@ -30,7 +37,14 @@ def test_a_build_is_announced_once_and_a_cached_op_is_not(tmp_path, monkeypatch)
     assert lines[2].startswith("built cpu_adam in 0:00:0")
     (tmp_path / "cpu_adam").mkdir()
     (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
-    assert ds_ops.is_built("cpu_adam")
+    # built by another installation (other source paths): ninja compiles again, so it is announced again
+    ninja = tmp_path / "cpu_adam" / "build.ninja"
+    ninja.write_text("build cpu_adam.o: compile /other/venv/deepspeed/ops/csrc/adam/cpu_adam.cpp\n")
+    assert not ds_ops.is_built("cpu_adam", ["/site-packages/deepspeed/ops/csrc/adam/cpu_adam.cpp"])
+    ninja.write_text("build cpu_adam.o: compile /site-packages/deepspeed/ops/csrc/adam/cpu_adam.cpp\n")
+    assert not ds_ops.is_built("cpu_adam", ["/site-packages/deepspeed/ops/csrc/adam/cpu_adam.cpp"])  # being built
+    os.utime(ninja, (1, 1))  # the library is newer: built
+    assert ds_ops.is_built("cpu_adam", ["/site-packages/deepspeed/ops/csrc/adam/cpu_adam.cpp"])
     load(_Builder())
     monkeypatch.setenv("RANK", "1")
     (tmp_path / "cpu_adam" / "cpu_adam.so").unlink()

@@ -63,16 +63,27 @@ def extensions_dir(name: str) -> Path:
     return Path(get_default_build_root()) / f"{py}_{accel}" / name
 
 
-def is_built(name: str) -> bool:
-    """Whether op `name` is in the extensions folder already (a later load takes seconds)."""
-    return (extensions_dir(name) / f"{name}.so").is_file()
+def is_built(name: str, sources: list[str]) -> bool:
+    """Whether op `name` was built from these `sources` (absolute paths) already, so that loading it takes seconds:
+    its library is in the extensions folder, no older than the ninja file, which names them. Another installation of
+    DeepSpeed (another virtual environment) has other source paths, and ninja then compiles again (measured); a build
+    under way has written its ninja file but not yet its library."""
+    folder = extensions_dir(name)
+    try:
+        ninja = (folder / "build.ninja").read_text(errors="replace")
+        fresh = (folder / f"{name}.so").stat().st_mtime >= (folder / "build.ninja").stat().st_mtime
+    except OSError:
+        return False
+    return fresh and all(src in ninja for src in sources)
 
 
 def _announced(jit_load: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(jit_load)
     def load(self: Any, *args: Any, **kwargs: Any) -> Any:
         name = getattr(self, "name", "?")
-        if is_built(name) or os.environ.get("RANK", "0") != "0":
+        # the sources as jit_load hands them to torch.utils.cpp_extension.load
+        sources = [os.path.abspath(self.deepspeed_src_path(path)) for path in self.sources()]
+        if os.environ.get("RANK", "0") != "0" or is_built(name, sources):
             return jit_load(self, *args, **kwargs)
         where = extensions_dir(name)
         console.print(f"building {WHY.get(name, f'DeepSpeed op {name}')} ({name}): compiled once on this machine "
