@@ -79,7 +79,8 @@ class Trainer:
         # before config.yaml records them (engine/determinism.py)
         self.logger_notes += determinism.keep_from_checkpoint(cfg, self.checkpointer.saved_config())
         self.logger_notes += determinism.apply(cfg, self.accelerator.device)
-        if self.is_main:
+        if self.is_main:  # the run's first writes: a command refused before them changes nothing it was given
+            log_to(self.out / rundir.TRAIN_LOG, header("train"))  # the console from the start, then as it goes
             cfg.save(self.out / ckpt.CONFIG)
             if t.resume is not None:
                 rundir.truncate_logs(self.out, self.checkpointer.resume_step)
@@ -199,7 +200,6 @@ class Trainer:
         t = self.cfg.train
         self.lock, notes = rundir.claim(self.out, t.resume, t.overwrite_output_dir)
         atexit.register(self.lock.release)  # also on errors; a killed run's lock is detected as stale
-        log_to(self.out / rundir.TRAIN_LOG, header("train"))  # the console from the start, then as it goes
         console.print(f"output directory: {self.out.resolve()} (this console also in {rundir.TRAIN_LOG})",
                       soft_wrap=True)
         return notes
