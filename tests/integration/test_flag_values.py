@@ -15,7 +15,6 @@ limit of test_hostile_data.py, its peak resident memory checked.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -26,8 +25,8 @@ import pytest
 import yaml
 
 from tests.helpers.cli import reseal, tree_hash
+from tests.helpers.checkpoints import relabelled_as_dino
 from tests.helpers.fork_server import Cli, PEAK_LIMIT_MB
-from vtrain.config import DataConfig, ModelConfig
 
 BASE = ["--num-workers", "0", "--embedding-dim", "16", "--mixed-precision", "no", "--schedule", "constant",
         "--warmup-steps", "0", "--log-every", "1", "--val-targets", ""]
@@ -155,12 +154,7 @@ def _dino_labelled_copy(c: Ctx) -> list[str]:
     checkpoint records, before a tensor is read."""
     run = c.run_copy()
     step = run / "checkpoints" / "step_2"
-    doc = yaml.safe_load((step / "config.yaml").read_text())
-    doc["task"] = "dino"
-    for section, cls in (("model", ModelConfig), ("data", DataConfig)):  # a DINO config.yaml has no face options
-        for f in dataclasses.fields(cls):
-            if f.metadata.get("task") == "metric":
-                doc[section].pop(f.name, None)
+    doc = relabelled_as_dino(yaml.safe_load((step / "config.yaml").read_text()))
     (step / "config.yaml").write_text(yaml.safe_dump(doc))
     reseal(step)
     return ["consolidate", str(step), str(c.out / "m.safetensors"), "--backbone-only"]
