@@ -23,18 +23,32 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
+# `make demo` in five stages, each announced by a banner; the step counts are read from the commands' own flags.
+DEMO_FACE_STEPS := 300
+DEMO_DINO_STEPS := $(shell echo '$(DEMO_DINO_FLAGS)' | sed -n 's/.*--max-steps \([0-9]*\).*/\1/p')
+# where `--data demo` keeps the detection set (docs/detection.md): its held-out images are what stage 5 draws
+DEMO_SHAPES = $$($(PY) -c "from vtrain.data.demo import data_root; print(data_root('dino', 'demo'))")
+
 demo: $(STAMP)
+	@echo "[1/5] face recognition: training the debug ViT with a CosFace head on the demo identities, $(DEMO_FACE_STEPS) steps (CPU, a few minutes) ..."
 	rm -rf runs/demo
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/vtrain train --task metric --model debug --data demo \
-		--output-dir runs/demo --max-steps 300 --batch-size 64 --head cosface --scale 32 --lr 3e-3 \
+		--output-dir runs/demo --max-steps $(DEMO_FACE_STEPS) --batch-size 64 --head cosface --scale 32 --lr 3e-3 \
 		--head-parallel sharded --sample-rate 0.5 \
 		--weight-decay 0.05 --warmup-steps 20 --mixed-precision bf16 \
 		--log-every 25 --eval-every 150 --save-every 150 --keep-last 2
+	@echo "[2/5] face recognition: vtrain eval of the last checkpoint (held-out identities and heldout.bin) ..."
 	$(VENV)/bin/vtrain eval --checkpoint runs/demo --data demo
+	@echo "[3/5] detection: training DINO (debug-resnet) from scratch on the demo shapes, $(DEMO_DINO_STEPS) steps (CPU, several minutes) ..."
 	rm -rf runs/demo-dino
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/vtrain train $(DEMO_DINO_FLAGS) --output-dir runs/demo-dino \
 		--deterministic --threads 1
+	@echo "[4/5] detection: vtrain eval, COCO box AP on the held-out images ..."
 	$(VENV)/bin/vtrain eval --task dino --checkpoint runs/demo-dino --save-predictions runs/demo-dino/predictions.json
+	@echo "[5/5] detection: vtrain predict draws its boxes on 4 held-out images ..."
+	shapes=$(DEMO_SHAPES) && $(VENV)/bin/vtrain predict --checkpoint runs/demo-dino --out runs/demo-dino/predicted \
+		--images "$$shapes/val2017/00000[0-3].jpg" --ann "$$shapes/annotations/instances_val2017.json" --num-workers 0
+	@echo "demo done: face runs/demo (train.log, eval.log), detection runs/demo-dino (train.log, eval.log); the drawn detections are in runs/demo-dino/predicted/"
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout 900 tests

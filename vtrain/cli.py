@@ -7,25 +7,30 @@ tools, models) inside its function, after the checks that need none of them."""
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import inspect
 import json
 import os
 import sys
-import threading
 import traceback
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from vtrain import recompute
-from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, Option, build_config, options, read_yaml
+from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, Option, config_from_flags, options  # noqa: F401
+from vtrain.config.paths import check_exists, check_demo_batch
+from vtrain.console import console, end_log, header, log_to, plain, start_log
+from vtrain.engine.ds_config import check_ds_config
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
+from vtrain.engine.run_files import check_new_run, eval_log
 from vtrain.errors import VtrainError
+from vtrain.exit import end as _exit
+from vtrain.exit import groups_left as _groups_left
+from vtrain.exit import leave_gloo_group as _leave_gloo_group
 from vtrain.guarded import ENVIRONMENT_ERRNOS
+from vtrain.launch import check_launch
 from vtrain.safeio import force_weights_only_env
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -66,13 +71,14 @@ def train(**flags: Any) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
     # first: a SIGTERM/SIGINT that arrives while the model is being built must also lead to a checkpoint
     interrupt = GracefulInterrupt().install()
-    config = flags.pop("config")
-    file_values = read_yaml(config) if config is not None else {}
-    task = flags.pop("task")
-    # unset flags (None) leave the file's values; a Click choice arrives as an Enum member
-    overrides = {section: {n: getattr(flags[n], "value", flags[n]) for n in names if flags[n] is not None}
-                 for section, names in FLAG_SECTIONS.items()}
-    cfg = build_config(task.value if task else None, file_values, overrides)
+    if os.environ.get("RANK", "0") == "0":
+        start_log()  # this console, kept for <output-dir>/train.log (written once the directory is claimed)
+    check_launch()  # `accelerate launch --num_processes N` that started one process alone (launch.py)
+    cfg = config_from_flags(flags)
+    # what start-up would refuse after a minute of imports, refused now (each one line, no torch imported yet)
+    check_new_run(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite_output_dir)
+    check_ds_config(cfg)
+    check_demo_batch(cfg.task, cfg.data, cfg.train)
     from vtrain.engine.trainer import Trainer
 
     Trainer(cfg, interrupt).fit()
@@ -107,8 +113,9 @@ def evaluate(
         help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
-    box AP."""
-    from vtrain.engine.logging import console
+    box AP. With --save-predictions the console also goes to eval.log beside the predictions."""
+    check_exists(checkpoint, "--checkpoint")
+    start_log()  # kept for eval.log, written once the predictions are (the evaluation's output place)
     from vtrain.tools.evaluate import evaluate_checkpoint
 
     if best:
@@ -122,6 +129,11 @@ def evaluate(
                                             save_predictions, weights, overwrite, image_size, max_size)
     if classwise and "per_class" not in metrics:
         raise VtrainError("--classwise: only for detection checkpoints")
+    log, why = eval_log(save_predictions) if save_predictions else (None, "")
+    if log is not None:
+        log_to(log, header("eval"))
+    elif why:
+        console.print(f"no eval.log: {why}", soft_wrap=True)
     size = f", test size {metrics['test_size'][0]}/{metrics['test_size'][1]}" if "test_size" in metrics else ""
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint} ({metrics['weights']} "
                                                         f"weights{size})"))
@@ -131,7 +143,7 @@ def evaluate(
         console.print(f"wrote {save_predictions}", soft_wrap=True)
     if as_json:  # per-category numbers only when asked for (eval.jsonl of a training run always keeps them)
         hidden = ("rows",) if classwise else ("rows", "per_class")
-        print(json.dumps({k: v for k, v in metrics.items() if k not in hidden}))
+        plain(json.dumps({k: v for k, v in metrics.items() if k not in hidden}))
 
 
 @app.command()
@@ -157,7 +169,7 @@ def predict(
         help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
 ) -> None:
     """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
-    from vtrain.engine.logging import console
+    check_exists(checkpoint, "--checkpoint")
     from vtrain.tools.predict import predict as run_predict
 
     if batch_size is not None and batch_size < 1:
@@ -195,11 +207,11 @@ def consolidate_cmd(
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
     if dtype not in ("fp32", "bf16", "fp16"):  # before the imports: a typo is reported at once
         raise VtrainError("--dtype: choose one of fp32, bf16, fp16")
+    check_exists(ckpt, "CKPT")
     import torch
     from rich.table import Table
 
     from vtrain.tools.consolidate import consolidate, parse_size
-    from vtrain.engine.logging import console
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
@@ -239,7 +251,7 @@ def export_cmd(
     overwrite: Annotated[bool, typer.Option(help="Replace OUT (and OUT.data) when it exists (never a checkpoint's file)")] = False,
 ) -> None:
     """Export a metric model's embedding network (backbone + neck) to ONNX with a dynamic batch axis."""
-    from vtrain.engine.logging import console
+    check_exists(checkpoint, "CHECKPOINT")
     from vtrain.tools.export import MEAN, STD, export_onnx
 
     r = export_onnx(checkpoint, out, opset, verify, overwrite)
@@ -296,9 +308,14 @@ def estimate_memory_cmd(
                           f"{breakdown_rows}{'' if breakdown else ' without --breakdown'}")
     if memory_budget is not None and not (0 < memory_budget < float("inf")):
         raise VtrainError(f"--memory-budget: must be a positive number of GiB, got {memory_budget}")
-    from rich.console import Console  # after the checks above: a bad number is reported without importing torch
-
-    from vtrain.tools.memory import estimate_report
+    tracing = ("estimate-memory: building the model on the meta device and tracing one training step with fake "
+               "tensors (no memory is allocated; up to a minute for a large model, more with --memory-budget or the "
+               "other checkpointing choices)")
+    if as_json:  # stdout is the JSON object alone
+        print(tracing, file=sys.stderr)
+    else:
+        console.print(tracing, soft_wrap=True)
+    from vtrain.tools.memory import estimate_report  # after the checks above: a bad number is reported at once
     from vtrain.tools.memory_setup import setup_from
 
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
@@ -309,19 +326,18 @@ def estimate_memory_cmd(
     rows = (15 if breakdown_rows is None else breakdown_rows) if breakdown else 0
     report = estimate_report(setup, gpu_memory, compare_gc, rows)
     if as_json:
-        print(json.dumps(report))
+        plain(json.dumps(report))
         return
     from vtrain.tools.memory_table import render
 
-    console = Console(width=160, highlight=False)  # the table is wide: never squeeze it into 80 columns
     for item in render(report):
         console.print(item, soft_wrap=isinstance(item, str))
 
 
 @app.command()
 def presets() -> None:
-    """List model presets with parameter counts (built on the meta device: instant, no memory)."""
-    from vtrain.engine.logging import console
+    """List model presets with parameter counts (stored with the presets, checked against the built models by the
+    tests: instant)."""
     from vtrain.tools.presets_table import preset_tables
 
     for table in preset_tables():
@@ -343,7 +359,6 @@ def convert_cmd(
 ) -> None:
     """Convert a published checkpoint into a vtrain checkpoint that eval, predict, export, consolidate and
     --pretrained read."""
-    from vtrain.engine.logging import console
     from vtrain.tools.convert import convert
 
     r = convert(src, out, source, model, overwrite, categories)
@@ -354,57 +369,16 @@ def convert_cmd(
     console.print(f"wrote {r.checkpoint}", soft_wrap=True)
 
 
-def _leave_gloo_group() -> None:
-    """After an error: leave a gloo process group now, while every object it serves is alive (an NCCL one is left
-    alone: destroying it while another rank may still wait in a collective can hang). Only when torch is loaded
-    already: a plain flag error must not pay for importing it."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-        sys.modules["vtrain.dist"].leave()
-
-
-def _groups_left() -> int:
-    """How many process groups this process has left (vtrain.dist.leave), plus one if a group is still open."""
-    vdist, tdist = sys.modules.get("vtrain.dist"), sys.modules.get("torch.distributed")
-    still_open = tdist is not None and tdist.is_available() and tdist.is_initialized()
-    return (vdist.groups_left() if vdist is not None else 0) + int(still_open)
-
-
-def _exit(code: int, groups_before: int) -> NoReturn:
-    """End the command with `code`. A command that ran a process group ends without interpreter teardown, once
-    everything is flushed: the native threads of its backends (gloo's, DeepSpeed's) outlive
-    destroy_process_group while any object still holds them, and one that takes the GIL during teardown is ended
-    by Python 3.11 with pthread_exit, whose unwinding aborts the process ("terminate called without an active
-    exception", SIGABRT) after a run that succeeded (docs/safety.md, "What the file rules rely on"). What a normal
-    exit would still do runs first: the non-daemon threads are joined, the atexit handlers run (the output
-    directory's lock, logging), Python's and C's stdio buffers are flushed."""
-    if _groups_left() == groups_before:
-        sys.exit(code)
-    main_thread = threading.main_thread()
-    for t in threading.enumerate():
-        if t is not main_thread and not t.daemon:
-            t.join()
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
-                pass
-        ctypes.CDLL(None).fflush(None)  # what native code printed through C's stdio
-        os._exit(code)
-
-
 def main() -> None:
     groups = _groups_left()  # the caller's own (a test calling main in its process): never ended here
     try:
         code = _run()
     except Exception:
         if _groups_left() == groups:
-            raise
+            raise  # the traceback reaches the log too: it ends at exit (console.start_log)
         traceback.print_exc()  # what the interpreter prints for an uncaught exception, then exit 1
         code = 1
+    end_log()  # the command's log file (train.log, eval.log) holds its last line, the error line included
     _exit(code, groups)
 
 
@@ -415,6 +389,10 @@ def _run() -> int:
     # errors reach us instead of being drawn as a multi-line box. Typer vendors Click; from 0.28 its errors are
     # typer.TyperException (public), with Click's `exit_code`, `format_message()` and, for a usage error, `ctx`.
     force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
+    if not console.is_terminal:  # --help by the one width rule (console.py): no option name or default cut
+        import typer.rich_utils
+
+        typer.rich_utils.MAX_WIDTH = console.width
     try:
         code = app(standalone_mode=False)  # the exit code of --help and the like, else the command's None
     except typer.TyperException as e:

@@ -34,6 +34,10 @@ class UnsafeFileError(VtrainError):
 
 
 def _deepspeed_globals() -> list:
+    import torch
+
+    if not torch.cuda.is_available():  # say it, instead of DeepSpeed warning at import that it guessed the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "vtrain"
 # `vtrain.` picks the layer ("" is the package's own __init__).
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"", "errors", "presets", "ds_json", "safeio", "files", "config_values", "dist", "recompute", "guarded",
-              "records"}),
+              "records", "console", "launch", "exit", "preset_counts"}),
     ("config", {"config"}),
     ("data, models, eval", {"data", "models", "eval"}),
     ("tasks", {"tasks"}),

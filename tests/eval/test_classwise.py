@@ -96,4 +96,4 @@ def test_no_predictions_at_all_and_the_table():
     table = DinoTask.classwise_table(m)
     assert table.row_count == 4
     cells = [list(c.cells) for c in table.columns]
-    assert cells[1] == ["circle", "square", "triangle", "cross"] and cells[3][2] == "-" and cells[3][0] == "0.0"
+    assert cells[1] == ["circle", "square", "triangle", "cross"] and cells[3][2] == "-" and cells[3][0] == "0.000"

@@ -79,3 +79,17 @@ def snapshot(root: Path) -> dict[str, str]:
         if p.is_file() and not any(r in p.parents for r in runs):
             snap[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return snap
+
+
+def relabelled_as_dino(doc: dict) -> dict:
+    """A metric run's config.yaml (as a dict) relabelled `task: dino`, without the face options a DINO config.yaml never
+    holds (config fields marked METRIC_ONLY): what tests that hand a command "a detection checkpoint" write."""
+    import dataclasses
+
+    from vtrain.config import DataConfig, ModelConfig
+
+    out = {**doc, "task": "dino"}
+    for section, cls in (("model", ModelConfig), ("data", DataConfig)):
+        face = {f.name for f in dataclasses.fields(cls) if f.metadata.get("task") == "metric"}
+        out[section] = {k: v for k, v in doc.get(section, {}).items() if k not in face}
+    return out

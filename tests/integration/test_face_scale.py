@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.checkpoints import relabelled_as_dino
 from tests.helpers.cli import metrics, ok, reseal, vtrain
 from vtrain.config import DataConfig
 from vtrain.data.demo_faces import verification_pairs
@@ -123,7 +124,7 @@ def test_export_bad_input(rec_run, tmp_path):
     shutil.copytree(run, dino)
     for cfg_file in dino.rglob("config.yaml"):
         cfg = yaml.safe_load(cfg_file.read_text())
-        cfg_file.write_text(yaml.safe_dump({**cfg, "task": "dino"}))
+        cfg_file.write_text(yaml.safe_dump(relabelled_as_dino(cfg)))
     with pytest.raises(VtrainError, match="config.yaml: .* the manifest says"):  # verified before it is loaded
         export_onnx(dino, tmp_path / "m.onnx")
     for step in (dino / "checkpoints").glob("step_*"):

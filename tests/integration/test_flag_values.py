@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from tests.helpers.cli import reseal, tree_hash
+from tests.helpers.checkpoints import relabelled_as_dino
 from tests.helpers.fork_server import Cli, PEAK_LIMIT_MB
 
 BASE = ["--num-workers", "0", "--embedding-dim", "16", "--mixed-precision", "no", "--schedule", "constant",
@@ -153,8 +154,7 @@ def _dino_labelled_copy(c: Ctx) -> list[str]:
     checkpoint records, before a tensor is read."""
     run = c.run_copy()
     step = run / "checkpoints" / "step_2"
-    doc = yaml.safe_load((step / "config.yaml").read_text())
-    doc["task"] = "dino"
+    doc = relabelled_as_dino(yaml.safe_load((step / "config.yaml").read_text()))
     (step / "config.yaml").write_text(yaml.safe_dump(doc))
     reseal(step)
     return ["consolidate", str(step), str(c.out / "m.safetensors"), "--backbone-only"]

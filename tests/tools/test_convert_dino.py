@@ -256,7 +256,7 @@ def test_predict_on_a_converted_checkpoint_gives_coco_category_ids(tiny, tmp_pat
     """`vtrain predict` on a converted detrex checkpoint (80 contiguous class rows): its detections are those of the
     converted model (run here on the same input: an 800 x 800 image, which the test-time resize and the batch
     padding leave as it is), with each label written as its real COCO category id."""
-    from torchvision.io import write_png
+    from torchcodec.encoders import PngEncoder
 
     from vtrain.data.coco import normalize
     from vtrain.tools.predict import predict
@@ -264,7 +264,7 @@ def test_predict_on_a_converted_checkpoint_gives_coco_category_ids(tiny, tmp_pat
     out, loaded = _convert(tiny, tmp_path, "detrex")
     torch.manual_seed(0)
     image = torch.randint(0, 256, (3, 800, 800), dtype=torch.uint8)
-    write_png(image, str(tmp_path / "img.png"))
+    PngEncoder(image).to_file(tmp_path / "img.png")
     predict(out, [str(tmp_path / "img.png")], tmp_path / "pred", score_threshold=0.0, num_workers=0, batch_size=1)
     got = json.loads((tmp_path / "pred" / "predictions.json").read_text())
     with torch.no_grad():

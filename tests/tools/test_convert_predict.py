@@ -25,7 +25,7 @@ import sys
 
 import pytest
 import torch
-from torchvision.io import decode_png, read_file
+from torchcodec.decoders import decode_png
 
 from tests.helpers.cli import cli_in_process as cli
 from tests.helpers.paths import FIXTURES
@@ -91,7 +91,7 @@ def test_predict_on_a_converted_checkpoint_gives_the_peers_detections(case, tmp_
     # the model input: the image unresized, unpadded, normalised as the peer normalised it
     (images, masks), = seen
     assert images.shape == (1, 3, 64, 96) and not masks.any()
-    assert torch.equal(images, normalize(decode_png(read_file(str(IMAGE))))[None])
+    assert torch.equal(images, normalize(decode_png(IMAGE))[None])
 
     got = json.loads((tmp_path / "pred" / "predictions.json").read_text())
     assert all(d["score"] >= thr + SCORE_TOL for d in got)  # nothing predicted near the threshold

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torchvision.io import decode_image
+from torchcodec.decoders import decode_image
 
 from tests.helpers.cli import cli_in_process as cli, faces_dataset, ok, reseal, vtrain
 from vtrain.errors import VtrainError

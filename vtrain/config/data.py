@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vtrain.config.fields import NO_FLAG, Section
+from vtrain.config.fields import DINO_ONLY, METRIC_ONLY, NO_FLAG, Section
 from vtrain.config.model import MIN_DETECTION_SIZE
 
 DEMO_DATA = "demo"  # --data demo: the task's built-in data set (data/demo.py)
+# the training images of `--data demo` per task (data/demo_faces.py: 200 identities x 12; data/demo_shapes.py's
+# train split; tests/core/test_config.py checks both), so a batch larger than the demo set is one line at once
+DEMO_TRAIN_IMAGES = {"metric": 200 * 12, "dino": 240}
 # PIL's own decompression-bomb limit (PIL.Image.MAX_IMAGE_PIXELS, 1024^3 / 4 / 3: a 1 GB RGB image at 32 bits per
 # pixel); torchvision's decoders have none, so vtrain applies it to every image it decodes (docs/input_limits.md)
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
@@ -28,27 +31,27 @@ class DataConfig(Section):
     `.bin` pack (docs/face_data.md)."""
     num_workers: int = 2
     """DataLoader workers per process."""
-    val_path: str | None = field(default=None, metadata={"flag": "--val-data"})
+    val_path: str | None = field(default=None, metadata={"flag": "--val-data", **METRIC_ONLY})
     """Held-out identity tree for verification; defaults to <data>/val when it exists."""
-    pairs_file: str | None = field(default=None, metadata={"flag": "--pairs"})
+    pairs_file: str | None = field(default=None, metadata={"flag": "--pairs", **METRIC_ONLY})
     """Verification pairs file (`path1 path2 1|0` per line, paths relative to the file); else pairs are sampled."""
-    max_impostor_pairs: int = field(default=200_000, metadata=NO_FLAG)
+    max_impostor_pairs: int = field(default=200_000, metadata={**NO_FLAG, **METRIC_ONLY})
     """Held-out identities: impostor pairs scored, all of them or a seeded uniform sample of this many."""
-    max_genuine_pairs: int = field(default=200_000, metadata=NO_FLAG)
+    max_genuine_pairs: int = field(default=200_000, metadata={**NO_FLAG, **METRIC_ONLY})
     """Held-out identities: genuine pairs scored, all of them or a seeded uniform sample of this many (an identity
     with thousands of images has millions; 200,000 measure a TAR to about +-0.1%)."""
-    val_targets: list[str] | None = None
+    val_targets: list[str] | None = field(default=None, metadata=METRIC_ONLY)
     """Metric: verification packs to evaluate on, insightface style, comma-separated: `lfw` is <data>/lfw.bin,
     `x.bin` a path. Default: every *.bin beside a train.rec; an empty value evaluates on none."""
-    train_ann: str | None = None
+    train_ann: str | None = field(default=None, metadata=DINO_ONLY)
     """Detection: COCO annotation JSON for training (default: <data>/annotations/instances_train2017.json)."""
-    train_images: str | None = None
+    train_images: str | None = field(default=None, metadata=DINO_ONLY)
     """Detection: training image folder (default: <data>/train2017)."""
-    val_ann: str | None = None
+    val_ann: str | None = field(default=None, metadata=DINO_ONLY)
     """Detection: COCO annotation JSON for evaluation (default: <data>/annotations/instances_val2017.json)."""
-    val_images: str | None = None
+    val_images: str | None = field(default=None, metadata=DINO_ONLY)
     """Detection: evaluation image folder (default: <data>/val2017)."""
-    max_size: int | None = None
+    max_size: int | None = field(default=None, metadata=DINO_ONLY)
     """Detection: longest image side after resizing (default: image_size * 1333 / 800)."""
     skip_bad_images: bool = False
     """Skip unreadable image files (counted and named in the log at the end of each epoch) instead of stopping."""

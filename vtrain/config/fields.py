@@ -22,6 +22,11 @@ from vtrain.errors import ConfigError
 
 NO_FLAG = {"flag": None}
 """Field metadata of a key that only a --config file sets (its errors name `section.key`, never a flag)."""
+METRIC_ONLY = {"task": "metric"}
+"""Field metadata of an option of face recognition only (`--task metric`): a DINO run's config.yaml leaves it out, and
+a DINO run given another value than its default is refused (config/run.py)."""
+DINO_ONLY = {"task": "dino"}
+"""Field metadata of an option of detection only (`--task dino`), likewise."""
 CLI_CHOICE = {"cli_choice": True}
 """Field metadata of a choice the command line itself refuses (Click's message, as every command's --task and
 --mixed-precision); the other choices are refused by the section's checks, with the config key in the message."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vtrain import recompute
-from vtrain.config.fields import NO_FLAG, Section
+from vtrain.config.fields import DINO_ONLY, METRIC_ONLY, NO_FLAG, Section
 
 NeckNorm = Literal["bn", "ln", "none"]
 Head = Literal["arcface", "cosface"]
@@ -36,21 +36,21 @@ class ModelConfig(Section):
     image_size: int = 112
     """Metric: square input size (face crops are 112). DINO: test short side (800 in the recipe); the training
     scales follow it (480-800 at 800) and the long side is capped at image_size * 1333 / 800."""
-    embedding_dim: int = 512
+    embedding_dim: int = field(default=512, metadata=METRIC_ONLY)
     """Metric: embedding size."""
-    neck_norm: NeckNorm = "bn"
+    neck_norm: NeckNorm = field(default="bn", metadata=METRIC_ONLY)
     """Metric: embedding neck normalisation: bn (insightface style; needs a micro-batch >= 2), ln or none."""
-    head: Head = "arcface"
+    head: Head = field(default="arcface", metadata=METRIC_ONLY)
     """Metric: margin head, arcface or cosface."""
-    margin: float | None = None
+    margin: float | None = field(default=None, metadata=METRIC_ONLY)
     """Metric: margin m; defaults to 0.5 for ArcFace and 0.4 for CosFace (docs/face.md §1.1)."""
-    scale: float = 64.0
+    scale: float = field(default=64.0, metadata=METRIC_ONLY)
     """Metric: logit scale s."""
-    head_parallel: HeadParallel = "none"
+    head_parallel: HeadParallel = field(default="none", metadata=METRIC_ONLY)
     """Metric head: `none`, one head inside the model (replicated under DDP, partitioned under ZeRO-3/FSDP2);
     `sharded`, each process owns a contiguous class range outside the engine (Partial FC, engine/head_shard.py,
     docs/face_head.md)."""
-    sample_rate: float = 1.0
+    sample_rate: float = field(default=1.0, metadata=METRIC_ONLY)
     """With --head-parallel sharded: positives plus random negatives up to this share of each rank's classes per
     step (Partial FC); 1.0 is the full softmax. Below 1 it needs sharded (the replicated head has no sampling)."""
     drop_path: float | None = None
@@ -63,7 +63,7 @@ class ModelConfig(Section):
     --memory-budget with the fewest recomputed FLOPs, traced on rank 0 before the first step and applied on every
     rank. The active units (and the plan) are recorded in run_info.json (docs/recompute.md). In a --config file a
     list of items; default none."""
-    ffn_recompute: bool = field(default=True, metadata=NO_FLAG)
+    ffn_recompute: bool = field(default=True, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO: the encoder FFNs make their 2048-wide ReLU output again in backward instead of keeping it: 4.1 GiB less
     for Swin-L at 800x1333, batch 2, for one more fc1 matmul per layer (+18% forward FLOPs); docs/recompute.md.
     With `--grad-ckpt auto` the planner decides this per encoder layer instead."""
@@ -72,41 +72,41 @@ class ModelConfig(Section):
     the peak, buffers, 0.5 GiB for the CUDA context). Default on a GPU: its memory minus max(2.5 GiB, 10%) for
     allocator fragmentation (docs/memory_estimate.md); on a CPU it must be given. Nothing fitting is one error line
     naming the smallest peak."""
-    ffn_chunk: int = field(default=16384, metadata=NO_FLAG)
+    ffn_chunk: int = field(default=16384, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO, with ffn_recompute: the encoder FFNs run forward and backward over this many tokens at a time, so their
     2048-wide hidden layer and its gradient never exist whole (1.0 GiB less at the peak of Swin-L 800x1333 batch 2
     with the encoder checkpointed, no extra FLOPs); 0 runs all tokens at once. The weight gradients then sum over
     chunks in fp32: within one rounding of their dtype of the unchunked ones (docs/recompute.md §3)."""
 
-    num_queries: int | None = None
+    num_queries: int | None = field(default=None, metadata=DINO_ONLY)
     """DINO matching queries (default: the preset's, 900 in the recipe)."""
-    dn_queries: int | None = None
+    dn_queries: int | None = field(default=None, metadata=DINO_ONLY)
     """DINO contrastive-denoising queries (default: the preset's, 100 in the recipe; 0 disables denoising)."""
     # ---- DINO model options a faithful import of a published detector needs (docs/detection.md "Model options");
     # the defaults are vtrain's recipe, `vtrain convert` writes the source codebase's values
-    neck_bias: bool = field(default=False, metadata=NO_FLAG)
+    neck_bias: bool = field(default=False, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO: the neck's convolutions (1x1 per backbone level, 3x3 stride-2 extra levels) carry a bias, as IDEA
     DINO's and detrex's `input_proj.*.0` do; mmdetection's ChannelMapper has none (the default)."""
-    pos_temperature: float = field(default=20.0, metadata=NO_FLAG)
+    pos_temperature: float = field(default=20.0, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO: temperature of the encoder's sine positions (20: IDEA DINO and mmdetection's base config; 10000:
     detrex and mmdetection's improved config)."""
-    pos_offset: float = field(default=0.0, metadata=NO_FLAG)
+    pos_offset: float = field(default=0.0, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO: offset added to the cumulative position before normalising it (0: IDEA DINO, mmdetection's base
     config; -0.5: detrex, mmdetection's improved config)."""
-    pos_normalize: bool = field(default=True, metadata=NO_FLAG)
+    pos_normalize: bool = field(default=True, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO: sine positions normalised to the valid region and scaled by 2*pi (all DINO recipes); False uses the
     raw pixel index (DETR's unnormalised form; the offset then does not apply)."""
-    mask_invalid_proposals: bool = field(default=True, metadata=NO_FLAG)
+    mask_invalid_proposals: bool = field(default=True, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO: encoder tokens whose proposal is invalid (padding, or a box outside (0.01, 0.99)) are never chosen
     among the top-k (score -inf). False: they are scored by the proposal head on their zeroed memory and can be
     chosen, as IDEA DINO, detrex and mmdetection do."""
-    refine_eps: float = field(default=1e-3, metadata=NO_FLAG)
+    refine_eps: float = field(default=1e-3, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO: eps of the inverse sigmoid of the reference boxes in the decoder's refinement (1e-3 in IDEA DINO,
     detrex and mmdetection)."""
-    box_eps: float = field(default=1e-3, metadata=NO_FLAG)
+    box_eps: float = field(default=1e-3, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO: eps of the inverse sigmoid of the reference boxes in the final box predictions (IDEA DINO and detrex
     1e-3; mmdetection's head 1e-5)."""
-    clip_boxes: bool = field(default=False, metadata=NO_FLAG)
+    clip_boxes: bool = field(default=False, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO: post-processed boxes are clipped to the image (detrex, mmdetection); IDEA DINO does not clip."""
     pretrained_min_match: float = 0.9
     """Share of the target's tensors (the backbone's for a backbone file, the model's for a full file) that a

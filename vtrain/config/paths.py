@@ -9,14 +9,16 @@ given (`check_data`)."""
 from __future__ import annotations
 
 import glob
+import os
 from pathlib import Path
 
-from vtrain.config.data import DEMO_DATA, DataConfig
+from vtrain.config.data import DEMO_DATA, DEMO_TRAIN_IMAGES, DataConfig
 from vtrain.config.fields import fail
 from vtrain.config.model import ModelConfig
 from vtrain.config.parallel import ParallelConfig
 from vtrain.config.train import TrainConfig
 from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
+from vtrain.errors import ConfigError
 from vtrain.files import cache_root, directory_problem
 
 
@@ -74,3 +76,27 @@ def check_train(t: TrainConfig) -> None:
         fail(TrainConfig, "resume", f"not a checkpoint directory: {t.resume}")
     if t.resume_weights_only is not None and not Path(t.resume_weights_only).is_file():
         fail(TrainConfig, "resume_weights_only", f"file not found: {t.resume_weights_only}")
+
+
+def check_exists(path: str | Path, flag: str) -> None:
+    """A file or folder a command reads (`--checkpoint`, consolidate's CKPT): one line at once when it is not there,
+    before the command imports torch."""
+    if not os.path.lexists(path):
+        raise ConfigError(f"{flag}: no such file or directory: {path}")
+
+
+def too_large_batch(batch_size: int, world: int, samples: int) -> str:
+    """The refusal of a global micro-batch larger than the training set (one epoch would hold no batch)."""
+    return f"--batch-size {batch_size} x {world} processes exceeds the {samples} training images"
+
+
+def check_demo_batch(task: str, d: DataConfig, t: TrainConfig) -> None:
+    """Where the training set's size is known without reading it (`--data demo`): a micro-batch over all processes
+    larger than it is refused before start-up (the trainer refuses it for any data, after reading it)."""
+    if d.path != DEMO_DATA:
+        return
+    world = os.environ.get("WORLD_SIZE", "1")
+    world = int(world) if world.isdigit() else 1
+    samples = DEMO_TRAIN_IMAGES[task]
+    if t.batch_size * world > samples:
+        raise ConfigError(too_large_batch(t.batch_size, world, samples))

@@ -70,14 +70,28 @@ class RunConfig:
             fail(ModelConfig, "grad_ckpt", str(e))
         self.model._check(self.task == "metric" or self.model.head_parallel == "none", "head_parallel",
                           "sharded is for --task metric (the margin-softmax head)")
+        defaults = {"model": ModelConfig(), "data": DataConfig()}
+        for section, f in self._other_task_fields():  # an option that would be ignored is a mistake: said now
+            if getattr(section, f.name) != getattr(defaults[section.SECTION], f.name):
+                fail(type(section), f.name, f"applies to --task {f.metadata['task']} only (this run is --task "
+                     f"{self.task})")
         if self.task == "dino":
             self.model._check(self.model.image_size >= MIN_DETECTION_SIZE, "image_size",
                               f"must be >= {MIN_DETECTION_SIZE} for detection (the coarsest DINO feature stride "
                               "is 64)")
 
+    def _other_task_fields(self) -> list[tuple[Any, Any]]:
+        """(section, field) of every option that applies only to the other task (fields.METRIC_ONLY, DINO_ONLY)."""
+        return [(section, f) for section in (self.model, self.data) for f in fields(section)
+                if f.metadata.get("task") not in (None, self.task)]
+
     def to_dict(self) -> dict[str, Any]:
+        """The config as config.yaml holds it: the options of this task (another task's are left out; they reload
+        at their defaults, which is all this task can hold: `__post_init__`)."""
         d = asdict(self)
         d["optim"]["betas"] = list(d["optim"]["betas"])
+        for section, f in self._other_task_fields():
+            del d[section.SECTION][f.name]
         return d
 
     def save(self, path: str | Path) -> None:
@@ -170,6 +184,20 @@ def build_config(task: str | None, file_values: dict[str, Any] | None = None,
     cfg = resolve(task, file_values, overrides)
     check_paths(cfg)
     return cfg
+
+
+def config_from_flags(flags: dict[str, Any]) -> RunConfig:
+    """`vtrain train`'s config from its flags as the command line passes them (`--config` FILE, `--task`, one entry
+    per field with a flag: None when unset, a choice as its value or an Enum member): task defaults < the file <
+    the flags (`resolve`), every path it names checked (`build_config`). The recipe files in configs/ are tested
+    through this."""
+    flags = dict(flags)
+    config = flags.pop("config", None)
+    file_values = read_yaml(config) if config is not None else {}
+    task = flags.pop("task", None)
+    overrides = {section: {n: getattr(flags[n], "value", flags[n]) for n in names if flags.get(n) is not None}
+                 for section, names in FLAG_SECTIONS.items()}
+    return build_config(getattr(task, "value", task), file_values, overrides)
 
 
 def load_run_config(path: str | Path) -> RunConfig:

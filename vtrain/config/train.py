@@ -41,8 +41,9 @@ class TrainConfig(Section):
     keep_last: int = 3
     """Keep the newest K checkpoints; pruning deletes only real folders of this run (a symlinked checkpoint is left
     alone and named)."""
-    eval_every: int = 0
-    """Evaluate every N optimizer steps (0: only at the end)."""
+    eval_every: int | None = None
+    """Evaluate every N optimizer steps and after the last one; unset: only after the last step; 0: never (no
+    evaluation at all, and the evaluation data is not read)."""
     log_every: int = 10
     """Log every N optimizer steps."""
     seed: int = 42
@@ -86,7 +87,7 @@ class TrainConfig(Section):
         check(self.grad_accum > 0, "grad_accum", f"must be > 0, got {self.grad_accum}")
         check(self.save_every > 0, "save_every", f"must be > 0, got {self.save_every}")
         check(self.keep_last > 0, "keep_last", f"must be > 0, got {self.keep_last}")
-        check(self.eval_every >= 0, "eval_every", "must be >= 0")
+        check(self.eval_every is None or self.eval_every >= 0, "eval_every", "must be >= 0")
         check(self.log_every > 0, "log_every", f"must be > 0, got {self.log_every}")
         check(self.max_nonfinite > 0, "max_nonfinite", "must be > 0")
         check(0 <= self.seed < 2**32, "seed", f"must be in 0..2**32-1, got {self.seed}")
@@ -103,6 +104,8 @@ class TrainConfig(Section):
         check(0 <= self.threads <= 1024, "threads", f"must be in 0..1024 (0: torch's default), got {self.threads}")
         check(self.compile_backend in COMPILE_BACKENDS, "compile_backend",
               f"choose one of {COMPILE_BACKENDS}, got {self.compile_backend!r}")
+        check(self.keep_best is None or self.eval_every != 0, "keep_best",
+              "keeps the best evaluated checkpoint, but --eval-every 0 never evaluates")
         if self.keep_best is not None:
             name, _, mode = self.keep_best.rpartition(":") if ":" in self.keep_best else (self.keep_best, "", "")
             check(bool(name.strip()) and mode in ("", "min", "max"), "keep_best",

@@ -1,10 +1,11 @@
 """Decoding images we did not make: the pixel count is read from the header and checked before anything is decoded.
 
-torchvision's `decode_image` allocates whatever the header declares (a 1.5 MB PNG declaring 40000 x 40000 pixels
-decodes to 4.8 GB), unlike PIL, whose `Image.open` refuses images above `PIL.Image.MAX_IMAGE_PIXELS`. So every image
+An image decoder allocates whatever the header declares (a 1.5 MB PNG declaring 40000 x 40000 pixels decodes to
+4.8 GB), unlike PIL, whose `Image.open` refuses images above `PIL.Image.MAX_IMAGE_PIXELS`. So every image
 vtrain decodes (image folders, COCO, RecordIO records, `.bin` packs, `hf:` rows, `vtrain predict` inputs) goes
 through `decode_rgb` here: PIL reads the size (and frame count) from the header without decoding, the product is
-held against `--max-image-pixels` (default: PIL's own limit), and only then does torchvision decode. A refused or
+held against `--max-image-pixels` (default: PIL's own limit), and only then does TorchCodec decode (its
+`decode_image`, which replaces torchvision's deprecated image decoding since torchvision 0.29). A refused or
 unreadable image is a `BadSample` naming it, which `--skip-bad-images` skips in training (docs/input_limits.md §2).
 """
 
@@ -18,17 +19,17 @@ from pathlib import Path
 
 import torch
 from PIL import Image, UnidentifiedImageError
-from torchvision.io import ImageReadMode, decode_image
+from torchcodec.decoders import decode_image
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
 from vtrain.errors import BadSample
 
-# what torchvision's decode_image reads (JPEG, PNG, GIF, WebP; AVIF where PIL has it): a header PIL reads as
-# anything else (BMP, TIFF, ...) is not what torchvision will decode
+# what TorchCodec's decode_image reads (JPEG, PNG, GIF, WebP; AVIF where PIL has it): a header PIL reads as
+# anything else (BMP, TIFF, ...) is not what TorchCodec will decode
 Image.init()
 _FORMATS = tuple(f for f in ("JPEG", "PNG", "GIF", "WEBP", "AVIF") if f in Image.OPEN)
 # PIL refuses above 2 x its MAX_IMAGE_PIXELS before telling the size, which would cap --max-image-pixels; our
-# check replaces PIL's while a header is read (PIL only reads headers in vtrain; decoding is torchvision's)
+# check replaces PIL's while a header is read (PIL only reads headers in vtrain; decoding is TorchCodec's)
 _PIL_LIMIT = threading.Lock()
 
 
@@ -83,11 +84,11 @@ def decode_rgb(data: str | Path | bytes | tuple[str, bytes], what: str | None = 
     raw = read_encoded(data, what)
     check_pixels(*header_size(raw, what), what, max_pixels)
     try:
-        # a writable copy: torch.frombuffer shares memory, and decode_image wants a 1-D uint8 tensor
-        img = decode_image(torch.frombuffer(bytearray(raw), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        # a writable copy: torch.frombuffer shares memory with `raw`; decode_image takes a 1-D uint8 tensor
+        img = decode_image(torch.frombuffer(bytearray(raw), dtype=torch.uint8), mode="RGB")
     except Exception as e:
         raise BadSample(f"cannot decode image {what}: {' '.join(str(e).split())[:200]}") from None
-    return img[0] if img.ndim == 4 else img  # decode_image returns every frame of an animated GIF
+    return img[0] if img.ndim == 4 else img  # decode_image returns every frame of an animated GIF / WebP
 
 
 def image_size(data: str | Path | bytes | tuple[str, bytes], what: str | None = None) -> tuple[int, int]:

@@ -15,10 +15,66 @@ are wrong (docs/recompute.md); torch's own linear also keeps a run's numbers ind
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
-from vtrain.ds_json import check_structure, enabled, explicit_16bit, zero_settings
+from vtrain import recompute
+from vtrain.config import RunConfig
+from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, enabled, explicit_16bit, read_json, zero_settings
 from vtrain.errors import ConfigError
+
+
+def env_true(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def ds_config_source(cfg: RunConfig) -> tuple[dict[str, Any] | None, str | None]:
+    """The DeepSpeed JSON a run asks for and where it comes from: --ds-config, else the accelerate config's
+    (a `deepspeed_config_file`, or its inline ZeRO settings); (None, None) without DeepSpeed."""
+    if cfg.parallel.ds_config:  # read once before, by config validation
+        return read_json(cfg.parallel.ds_config, DS_CONFIG_UNREADABLE), cfg.parallel.ds_config
+    if env_true("ACCELERATE_USE_DEEPSPEED"):
+        path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if path and path.lower() != "none":
+            return read_json(path, "accelerate config deepspeed_config_file {path}: {error}"), path
+        # accelerate config with inline deepspeed settings
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+        zero: dict[str, Any] = {"stage": stage}
+        if os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") not in ("none", ""):
+            zero["offload_optimizer"] = {"device": os.environ["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"]}
+        if os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") not in ("none", ""):
+            zero["offload_param"] = {"device": os.environ["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"]}
+        return {"zero_optimization": zero}, "accelerate config"
+    return None, None
+
+
+def _may_be_selective(cfg: RunConfig) -> bool:
+    """Whether a unit may run under selective checkpointing: one named `sac:`, or `auto` (the planner may choose
+    it)."""
+    spec = recompute.parse(cfg.model.grad_ckpt)
+    return spec.auto or any(i.mode == "sac" for i in spec.items)
+
+
+def fill_for(cfg: RunConfig, raw: dict[str, Any], source: str | None, world: int,
+             precision: str) -> tuple[dict[str, Any], dict]:
+    """`fill_ds_config` with a run's own values."""
+    return fill_ds_config(raw, source or "ds config", batch_size=cfg.train.batch_size,
+                          grad_accum=cfg.train.grad_accum, world_size=world, clip_grad=cfg.optim.clip_grad,
+                          precision=precision, precision_explicit=cfg.parallel.mixed_precision != "auto",
+                          selective_recompute=_may_be_selective(cfg))
+
+
+def check_ds_config(cfg: RunConfig) -> None:
+    """The DeepSpeed JSON against the flags, as start-up fills it (engine/plan.py), before torch is imported: a
+    contradiction is one line at once. `--mixed-precision auto` is taken as bf16 here (plan.py asks the GPU)."""
+    raw, source = ds_config_source(cfg)
+    if raw is not None:
+        precision = cfg.parallel.mixed_precision
+        fill_for(cfg, raw, source, world_size_from_env(), "bf16" if precision == "auto" else precision)
 
 
 def _is_auto(v: Any) -> bool:

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import psutil
 
 import torch
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from vtrain import guarded
+from vtrain.console import console, hms, show_progress
 from vtrain.dist import gather_objects
 from vtrain.engine.checkpoint import TENSORBOARD
 from vtrain.errors import VtrainError
@@ -31,8 +31,6 @@ if TYPE_CHECKING:  # annotations only: the offline commands import this module f
     from accelerate import Accelerator
 
     from vtrain.engine.engines.base import Engine
-
-console = Console(stderr=False, highlight=False)
 
 
 def memory_gb(device: torch.device) -> dict[str, float]:
@@ -70,11 +68,12 @@ class RunLogger:
         self.tracker, self.end_tracking = tracker, end_tracking
         self.progress: Progress | None = None
         if enabled:
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                                      console=console, transient=False, disable=not sys.stdout.isatty())
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
             self.progress.start()
+            show_progress(self.progress)
 
     def info(self, msg: str) -> None:
         if self.enabled:
@@ -94,7 +93,9 @@ class RunLogger:
         if not self.enabled:
             return
         append_line(self.out / "metrics.jsonl", json.dumps(record))
-        console.print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), soft_wrap=True)
+        # the time left also as h:mm:ss (the unit of every time vtrain prints) beside the file's seconds
+        shown = " ".join(f"{k}={_fmt(v)}" + (f" eta={hms(v)}" if k == "eta_s" else "") for k, v in record.items())
+        console.print(shown, soft_wrap=True)
         if self.tracker is not None:
             self.tracker({**scalars(record, "train"), **(extra or {})}, record["step"])
 
@@ -110,6 +111,7 @@ class RunLogger:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+            show_progress(None)
         if self.end_tracking is not None:  # flushes the TensorBoard writer / finishes the W&B run
             end, self.end_tracking = self.end_tracking, None
             end()
@@ -122,7 +124,8 @@ def append_line(path: Path, line: str) -> None:
 
 
 class StatsWindow:
-    """Sums of the per-step stats since the last log line. Device tensors are summed on the device (NaN values
+    """Sums of the per-step stats since the last log line (the LR: its last value, the one in force at the logged
+    step). Device tensors are summed on the device (NaN values
     left out and counted there too, as a host-side `isnan` test would need a sync per step); host floats here."""
 
     def __init__(self) -> None:
@@ -141,6 +144,9 @@ class StatsWindow:
                 continue
             else:
                 n = 1
+            if k == "lr":  # the LR in force at the logged step (the window's last), not the window's mean
+                self.sums[k], self.counts[k] = v, n
+                continue
             self.sums[k] = self.sums[k] + v if k in self.sums else v
             self.counts[k] = self.counts[k] + n if k in self.counts else n
 

@@ -14,19 +14,9 @@ from typing import Any
 
 import torch
 
-from vtrain import recompute
 from vtrain.config import RunConfig
-from vtrain.ds_json import DS_CONFIG_UNREADABLE, read_json
-from vtrain.engine.ds_config import fill_ds_config
+from vtrain.engine.ds_config import ds_config_source, env_true, fill_for, world_size_from_env
 from vtrain.errors import ConfigError
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def resolve_precision(requested: str) -> str:
@@ -52,49 +42,20 @@ class Plan:
     fsdp_reshard_after_forward: bool = True
 
 
-def _ds_config_source(cfg: RunConfig) -> tuple[dict[str, Any] | None, str | None]:
-    if cfg.parallel.ds_config:  # read once before, by config validation
-        return read_json(cfg.parallel.ds_config, DS_CONFIG_UNREADABLE), cfg.parallel.ds_config
-    if _env_true("ACCELERATE_USE_DEEPSPEED"):
-        path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-        if path and path.lower() != "none":
-            return read_json(path, "accelerate config deepspeed_config_file {path}: {error}"), path
-        # accelerate config with inline deepspeed settings
-        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
-        zero: dict[str, Any] = {"stage": stage}
-        if os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") not in ("none", ""):
-            zero["offload_optimizer"] = {"device": os.environ["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"]}
-        if os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") not in ("none", ""):
-            zero["offload_param"] = {"device": os.environ["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"]}
-        return {"zero_optimization": zero}, "accelerate config"
-    return None, None
-
-
-def _may_be_selective(cfg: RunConfig) -> bool:
-    """Whether a unit may run under selective checkpointing: one named `sac:`, or `auto` (the planner may choose
-    it)."""
-    spec = recompute.parse(cfg.model.grad_ckpt)
-    return spec.auto or any(i.mode == "sac" for i in spec.items)
-
-
 def resolve_plan(cfg: RunConfig) -> Plan:
     world = world_size_from_env()
     precision = resolve_precision(cfg.parallel.mixed_precision)
-    raw, source = _ds_config_source(cfg)
-    use_fsdp = cfg.parallel.fsdp or _env_true("ACCELERATE_USE_FSDP")
+    raw, source = ds_config_source(cfg)
+    use_fsdp = cfg.parallel.fsdp or env_true("ACCELERATE_USE_FSDP")
     if raw is not None and use_fsdp:
         raise ConfigError("--fsdp: cannot combine FSDP with a DeepSpeed config; choose one")
     if raw is not None:
-        filled, info = fill_ds_config(raw, source or "ds config", batch_size=cfg.train.batch_size,
-                                      grad_accum=cfg.train.grad_accum, world_size=world,
-                                      clip_grad=cfg.optim.clip_grad, precision=precision,
-                                      precision_explicit=cfg.parallel.mixed_precision != "auto",
-                                      selective_recompute=_may_be_selective(cfg))
+        filled, info = fill_for(cfg, raw, source, world, precision)
         return Plan("deepspeed", world, info["precision"], ds_config=filled, zero_stage=info["stage"],
                     offload_optimizer=info["offload_optimizer"], offload_params=info["offload_params"],
                     ds_precision_mode=info["mode"])
     if use_fsdp:
-        offload = cfg.parallel.fsdp_offload or _env_true("FSDP_OFFLOAD_PARAMS")
+        offload = cfg.parallel.fsdp_offload or env_true("FSDP_OFFLOAD_PARAMS")
         reshard = cfg.parallel.fsdp_reshard_after_forward
         if "FSDP_RESHARD_AFTER_FORWARD" in os.environ:
             reshard = os.environ["FSDP_RESHARD_AFTER_FORWARD"].lower() in ("true", "1", "full_shard")

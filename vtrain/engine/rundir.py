@@ -36,38 +36,23 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import fields
 from pathlib import Path
 
 import psutil
-import yaml
 
 from vtrain import guarded
-from vtrain.config import RunConfig
 from vtrain.dist import AgreedError, broadcast_from_main, gather_objects, is_main
-from vtrain.engine import best as best_record
 from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.run_files import (CONSOLE_LOGS, EVAL_LOG, HEARTBEAT_S, LOCK, LOG_FILES, MARKER, MARKER_FORMAT,
+                                     RUN_FILES, STALE_AFTER_S, TRAIN_LOG, check_links, check_owned, check_place,
+                                     earlier_run, foreign_files, is_marker, lock_holder, read_lock)
 from vtrain.errors import VtrainError
 from vtrain.files import write_json_atomic, write_text_atomic
-from vtrain.records import Record, RecordError, read_json
 
-LOCK = ".vtrain.lock"
-MARKER = ".vtrain-run.json"  # {"format": MARKER_FORMAT, "version", "created"}: this directory is a vtrain run's
-MARKER_FORMAT = "vtrain-run"
-HEARTBEAT_S = 15.0
-STALE_AFTER_S = 120.0
-LOG_FILES = ("metrics.jsonl", "eval.jsonl", "run_info.json")
-# the files a run replaces, rewrites or (--overwrite-output-dir) deletes: each must be vtrain's (`foreign_files`)
-OWNED_FILES = (ckpt.CONFIG, *LOG_FILES, f"{ckpt.CHECKPOINTS}/{ckpt.BEST}")
-# every name a run writes directly in its directory: none may be a link or a mount point (it would write or delete
-# elsewhere); the files must be regular files, the folders real folders
-RUN_FILES = (ckpt.CONFIG, *LOG_FILES, LOCK, MARKER)
-RUN_FOLDERS = (ckpt.CHECKPOINTS, ckpt.TENSORBOARD, ckpt.UNIVERSAL)
-RUN_NAMES = (*RUN_FILES, *RUN_FOLDERS)
-# the most vtrain reads of a file to recognise it as its own: a whole JSON or YAML file (its own are a few KiB; a
-# run_info.json of 1000 ranks about 1 MiB), the first line of a log (which grows with the run)
-SNIFF_BYTES = 16 * 2**20
-FIRST_LINE_BYTES = 2**20
+# the names of run_files.py that rundir's users read here
+__all__ = ["CONSOLE_LOGS", "EVAL_LOG", "LOCK", "MARKER", "MARKER_FORMAT", "RUN_FILES", "STALE_AFTER_S", "TRAIN_LOG",
+           "OutputDirLock", "check_links", "check_shared", "claim", "foreign_files", "lock_seen", "read_lock",
+           "truncate_logs"]
 
 
 def _me() -> dict:
@@ -87,7 +72,7 @@ class OutputDirLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                holder, stale = self._inspect()
+                holder, stale = lock_holder(self.path)
                 if not stale:
                     raise VtrainError(f"--output-dir {self.path.parent} is in use by another vtrain run ({holder}); "
                                       "wait for it to finish or choose another --output-dir") from None
@@ -105,25 +90,6 @@ class OutputDirLock:
             self._thread.start()
             return
         raise VtrainError(f"--output-dir {self.path.parent}: could not take the lock {self.path}")
-
-    def _inspect(self) -> tuple[str, bool]:
-        try:
-            age = time.time() - self.path.lstat().st_mtime
-        except FileNotFoundError:
-            return "gone", True
-        held = read_lock(self.path)
-        if held is None:
-            # a lock being written right now is empty for an instant; an unreadable old one is stale
-            return "unreadable lock", age > STALE_AFTER_S
-        host, pid, started = held["host"], held["pid"], held["started"]
-        who = f"pid {pid} on {host}, heartbeat {age:.0f} s ago"
-        if host == socket.gethostname():
-            try:
-                alive = abs(psutil.Process(pid).create_time() - started) < 1.0
-            except psutil.Error:
-                alive = False
-            return who, not alive
-        return who, age > STALE_AFTER_S
 
     def _take_over(self) -> None:
         away = self.path.with_name(f"{LOCK}.stale-{uuid.uuid4().hex}")
@@ -148,19 +114,6 @@ class OutputDirLock:
                 self.path.unlink()
             except OSError:  # a read-only directory now: the lock is stale once this process is gone
                 pass
-
-
-def read_lock(path: Path) -> dict | None:
-    """The lock's fields, checked (host, pid, process start time, token); None for a missing, half-written or
-    malformed lock, or one that is not a real file."""
-    if Path(path).is_symlink():
-        return None
-    try:
-        r = Record(read_json(path), path)
-        return {"host": r.str("host"), "pid": r.int("pid", low=1, high=2**31 - 1),
-                "started": r.number("started", low=0), "token": r.str("token")}
-    except RecordError:
-        return None
 
 
 def lock_seen(output_dir: Path, token: str, tries: int = 10, wait_s: float = 0.5) -> str | None:
@@ -190,14 +143,10 @@ def check_shared(output_dir: Path, lock: OutputDirLock | None) -> None:
 
 def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[OutputDirLock, list[str]]:
     """Rank 0, before anything is written: lock the directory, apply the rules for what it may hold (see the
-    module docstring) and mark it as a vtrain run's. Returns the lock and notes for the log."""
+    module docstring; the checks are run_files.py's, which `vtrain train` also runs before start-up) and mark it as
+    a vtrain run's. Returns the lock and notes for the log."""
     out = Path(output_dir)
-    holder = ckpt.inside_checkpoint(out)
-    if holder is not None:
-        raise VtrainError(f"--output-dir {out} is inside the checkpoint {holder}; a run would rewrite its files (and "
-                          "it would no longer verify): choose a folder outside every run's checkpoints/")
-    if out.exists() and not out.is_dir():
-        raise VtrainError(f"--output-dir: {out} is a file, not a directory")
+    check_place(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -207,135 +156,24 @@ def claim(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[Output
     lock.acquire()
     notes: list[str] = ckpt.linked_entries(out)
     try:
-        foreign = foreign_files(out)
-        if foreign:
-            raise VtrainError(f"--output-dir {out} holds {', '.join(foreign)}, which vtrain did not write (no vtrain "
-                              f"run marker {MARKER}, and not what vtrain writes there); a run replaces and deletes "
-                              "only its own files, also with --overwrite-output-dir: move them away, or choose "
-                              "another --output-dir")
+        check_owned(out)
         existing = ckpt.complete_checkpoints(out)
-        logs = [n for n in LOG_FILES if (out / n).exists()]
-        if resume is None and (existing or logs):
+        refusal = earlier_run(out, existing)
+        if resume is None and refusal is not None:
             if not overwrite:
-                what = (f"checkpoints of an earlier run ({', '.join(p.name for p in existing[-3:])})" if existing
-                        else f"logs of an earlier run ({', '.join(logs)})")
-                raise VtrainError(f"--output-dir {out} already holds {what}; continue it with --resume auto, or start "
-                                  "over with --overwrite-output-dir (deletes that run's checkpoints and logs)")
+                raise VtrainError(refusal)
             for p in existing:
                 notes += ckpt.remove(p)
-            for name in (*LOG_FILES, f"{ckpt.CHECKPOINTS}/{ckpt.BEST}"):  # best.json: --keep-best of that run
+            for name in (*LOG_FILES, *CONSOLE_LOGS, f"{ckpt.CHECKPOINTS}/{ckpt.BEST}"):  # best.json: --keep-best
                 guarded.unlink(out, out / name)
             if existing:
                 notes.append(f"--overwrite-output-dir: deleted {len(existing)} checkpoints of the earlier run in {out}")
-        if not _is_marker(out / MARKER):
+        if not is_marker(out / MARKER):
             write_json_atomic(out / MARKER, {"format": MARKER_FORMAT, "version": 1, "created": time.time()})
     except BaseException:
         lock.release()
         raise
     return lock, notes
-
-
-def check_links(out: Path) -> None:
-    """Refuse a run directory where a name the run writes is a link or a mount point, or not a regular file (or
-    folder) (see the module docstring), before anything is written; links and mount points among the checkpoints
-    are left alone (`ckpt.linked_entries`)."""
-    mounts = guarded.mount_points()
-    crossing = lambda p: p.is_symlink() or (os.path.lexists(p) and guarded.is_mount(p, mounts))  # noqa: E731
-    bad = next((out / n for n in RUN_NAMES if crossing(out / n)), None)
-    ckpts = ckpt.checkpoint_dir(out)
-    if bad is None and ckpts.is_dir():
-        names = [ckpts / ckpt.BEST, *(p for p in ckpts.iterdir() if p.name.startswith(ckpt.STAGING))]
-        bad = next((p for p in names if crossing(p)), None)
-    if bad is not None:
-        raise VtrainError(f"--output-dir {out}: {guarded.describe_crossing(bad)}; a run writes and deletes only real "
-                          "files and folders inside its directory: remove the link or unmount it, or choose another "
-                          "--output-dir")
-    for p in (*(out / n for n in RUN_FILES), ckpts / ckpt.BEST):
-        kind = guarded.not_regular(p) or ("a folder" if p.is_dir() else None)
-        if kind is not None:
-            raise VtrainError(f"--output-dir {out}: {p} is {kind}, not a regular file; a run writes its own files "
-                              "there: move it away, or choose another --output-dir")
-    for p in (out / n for n in RUN_FOLDERS):
-        if os.path.lexists(p) and not p.is_dir():
-            raise VtrainError(f"--output-dir {out}: {p} is not a folder; a run writes its own files into it: move it "
-                              "away, or choose another --output-dir")
-
-
-# ---- what is vtrain's ---------------------------------------------------------------------------------------------
-
-def foreign_files(out: Path) -> list[str]:
-    """The names among `OWNED_FILES` (and the marker's) in `out` that vtrain did not write: none when `out` carries
-    vtrain's run marker; without it, every one that is not recognisably vtrain's by its content (a directory of an
-    earlier vtrain, which wrote no marker, passes; a user's own file does not)."""
-    marker = out / MARKER
-    if _is_marker(marker):
-        return []
-    bad = [MARKER] if os.path.lexists(marker) else []
-    return bad + [n for n in OWNED_FILES if os.path.lexists(out / n) and not _RECOGNISE[n](out / n)]
-
-
-def _is_marker(path: Path) -> bool:
-    try:
-        return _sniff(path) is not None and Record(read_json(path), path).data.get("format") == MARKER_FORMAT
-    except RecordError:
-        return False
-
-
-def _sniff(path: Path, limit: int = SNIFF_BYTES, whole: bool = True) -> bytes | None:
-    """A regular file's bytes, at most `limit` of them; None when it is unreadable or, for `whole`, larger."""
-    try:
-        if not path.is_file() or (whole and path.stat().st_size > limit):
-            return None
-        with open(path, "rb") as f:
-            return f.read(limit)
-    except OSError:
-        return None
-
-
-def _first_record(path: Path) -> dict | None:
-    """The first line of a log as a JSON object, or None."""
-    head = _sniff(path, FIRST_LINE_BYTES, whole=False)
-    try:
-        record = json.loads(head.split(b"\n", 1)[0]) if head else None
-    except (ValueError, RecursionError):
-        return None
-    return record if isinstance(record, dict) and type(record.get("step")) is int else None
-
-
-def _is_config(path: Path) -> bool:
-    """The complete resolved config vtrain writes: every section of RunConfig, `train.output_dir` set."""
-    head = _sniff(path)
-    try:
-        data = yaml.safe_load(head.decode()) if head else None
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
-        return False
-    sections = {f.name for f in fields(RunConfig)}
-    return (isinstance(data, dict) and set(data) == sections and isinstance(data.get("train"), dict)
-            and all(isinstance(data[k], dict) for k in sections - {"task"}) and "output_dir" in data["train"])
-
-
-def _is_run_info(path: Path) -> bool:
-    try:
-        data = json.loads(_sniff(path) or b"")
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(data, dict) and {"engine", "world_size", "ranks"} <= set(data)
-
-
-def _is_best(path: Path) -> bool:
-    try:
-        return _sniff(path) is not None and best_record.read(path.parent.parent) is not None
-    except RecordError:
-        return False
-
-
-_RECOGNISE = {
-    ckpt.CONFIG: _is_config,
-    "metrics.jsonl": lambda p: (r := _first_record(p)) is not None and {"epoch", "time"} <= set(r),
-    "eval.jsonl": lambda p: (r := _first_record(p)) is not None and bool({"balanced_accuracy", "AP"} & set(r)),
-    "run_info.json": _is_run_info,
-    f"{ckpt.CHECKPOINTS}/{ckpt.BEST}": _is_best,
-}
 
 
 def truncate_logs(output_dir: Path, step: int) -> None:

@@ -18,6 +18,8 @@ import torch
 from accelerate.utils import set_seed
 
 from vtrain.config import RunConfig
+from vtrain.config.paths import too_large_batch
+from vtrain.console import console, header, log_to
 from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import SkipBadSamples
 from vtrain.dist import agreed, all_mean_, broadcast_from_main, gather_objects, leave
@@ -48,7 +50,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, interrupt: GracefulInterrupt | None = None) -> None:
         self.cfg = cfg
         t = cfg.train
-        enforce_weights_only()  # no file read on this run's behalf may run code (safeio.py)
+        # no file read on this run's behalf may run code (safeio.py); DeepSpeed's own types: by its engine class
+        enforce_weights_only(deepspeed=False)
         self.interrupt = interrupt or GracefulInterrupt().install()
         self.faults = faults.injected()  # the tests' fault injection, read once (faults.py)
         # 1. launch plan, then the process group: everything below may run collectives.
@@ -76,7 +79,8 @@ class Trainer:
         # before config.yaml records them (engine/determinism.py)
         self.logger_notes += determinism.keep_from_checkpoint(cfg, self.checkpointer.saved_config())
         self.logger_notes += determinism.apply(cfg, self.accelerator.device)
-        if self.is_main:
+        if self.is_main:  # the run's first writes: a command refused before them changes nothing it was given
+            log_to(self.out / rundir.TRAIN_LOG, header("train"))  # the console from the start, then as it goes
             cfg.save(self.out / ckpt.CONFIG)
             if t.resume is not None:
                 rundir.truncate_logs(self.out, self.checkpointer.resume_step)
@@ -87,8 +91,9 @@ class Trainer:
             with skip_hint():
                 dataset = self.task.train_dataset()
         # the evaluation data (held-out sets, .bin packs) is read and checked now: a pack that cannot be scored
-        # must stop the run before it trains, not after its final save
-        self.task.check_eval_data()
+        # must stop the run before it trains, not after its final save (--eval-every 0: never read)
+        if t.eval_every != 0:
+            self.task.check_eval_data()
         # 4. model -> activation checkpointing (inside build_model; with `--grad-ckpt auto` the planner's, made on
         # rank 0 from a fake-tensor trace and broadcast) -> pretrained weights -> sharding
         model = self.task.build_model()
@@ -115,8 +120,7 @@ class Trainer:
         self.sampler = ShardedEpochSampler(len(dataset), t.batch_size, self.rank, self.world, seed=t.seed,
                                            group_ids=getattr(dataset, "group_ids", None))
         if self.sampler.batches_per_epoch < 1:
-            raise VtrainError(f"--batch-size {t.batch_size} x {self.world} processes exceeds the "
-                              f"{len(dataset)} training images")
+            raise VtrainError(too_large_batch(t.batch_size, self.world, len(dataset)))
         self.dataset = SkipBadSamples(dataset) if cfg.data.skip_bad_images else dataset
         self.batches = MicroBatches(self.dataset, self.sampler, t.batch_size, self.world, self.task.collate_fn,
                                     cfg.data.num_workers, self.accelerator.device, cfg.data.skip_bad_images,
@@ -196,6 +200,8 @@ class Trainer:
         t = self.cfg.train
         self.lock, notes = rundir.claim(self.out, t.resume, t.overwrite_output_dir)
         atexit.register(self.lock.release)  # also on errors; a killed run's lock is detected as stale
+        console.print(f"output directory: {self.out.resolve()} (this console also in {rundir.TRAIN_LOG})",
+                      soft_wrap=True)
         return notes
 
     # ---- one optimizer step ------------------------------------------------------------------------------------
@@ -326,7 +332,7 @@ class Trainer:
                 self.save()
         if epoch is not None:
             self._report_bad_files(epoch)
-        if self.total_steps > 0:
+        if self.total_steps > 0 and t.eval_every != 0:  # after the last step, unless --eval-every 0 (never)
             last_eval = self.evaluate()
         self.logger.close()
         self.close()

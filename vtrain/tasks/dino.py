@@ -12,6 +12,7 @@ from rich.table import Table
 from torch.utils.data import DataLoader, Subset
 
 from vtrain.config import MIN_DETECTION_SIZE, RunConfig
+from vtrain.console import tracked
 from vtrain.data.coco import CocoDetection, collate
 from vtrain.data.demo import data_root
 from vtrain.data.hf import HfSplits, is_hf
@@ -237,7 +238,7 @@ class DinoTask:
                             num_workers=workers, **worker_options(workers))
         dets: list[dict[str, Any]] = []
         pos = 0
-        for batch in loader:
+        for batch in tracked(loader, len(loader), f"eval ({n} images)", rank == 0):
             out = forward(images=batch["images"].to(device, input_dtype), masks=batch["masks"].to(device))
             results = postprocess(out["pred_logits"], out["pred_boxes"], batch["orig_size"].to(device),
                                   clip=self.cfg.model.clip_boxes)
@@ -259,7 +260,7 @@ class DinoTask:
         cols = ("AP", "AP50", "AP75", "APs", "APm", "APl")
         for c in cols:
             t.add_column(c, justify="right")
-        t.add_row(*(_pct(metrics.get(c)) for c in cols))
+        t.add_row(*(_ap(metrics.get(c)) for c in cols))
         t.caption = f"{metrics.get('images', 0)} images, {metrics.get('detections', 0)} detections"
         return t
 
@@ -271,7 +272,7 @@ class DinoTask:
                            ("AP50", "right"), ("AP75", "right")):
             t.add_column(c, justify=justify)
         for r in metrics.get("per_class", []):
-            t.add_row(str(r["id"]), r["name"], str(r["gt"]), _pct(r["AP"]), _pct(r["AP50"]), _pct(r["AP75"]))
+            t.add_row(str(r["id"]), r["name"], str(r["gt"]), _ap(r["AP"]), _ap(r["AP50"]), _ap(r["AP75"]))
         return t
 
 
@@ -288,5 +289,7 @@ def _mismatch(misfit: list[str], missing: list[str], unexpected: list[str], sd: 
     return out
 
 
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.1f}"
+def _ap(v: float | None) -> str:
+    """An AP as the tables print it: the fraction that --json, eval.jsonl and best.json hold (COCOeval's unit), to
+    3 decimals."""
+    return "-" if v is None else f"{v:.3f}"

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from vtrain.config import RunConfig
+from vtrain.console import tracked
 from vtrain.data.demo import data_root
 from vtrain.data.faces import FaceFolder, FaceSamples, decode_rgb, load_image, read_pairs, resolve_face_data, \
     to_model_input
@@ -182,7 +183,7 @@ class MetricTask:
             return None
         out: dict[str, Any] = {"rows": []}
         for es in sets:
-            emb = self._embed(es.images, forward, device, rank, world, input_dtype)
+            emb = self._embed(es.images, forward, device, rank, world, input_dtype, es.name or "held-out")
             if rank != 0:
                 continue
             if es.name:
@@ -195,8 +196,8 @@ class MetricTask:
         return out if rank == 0 else None
 
     def _embed(self, images: Dataset, forward: Callable[..., dict[str, torch.Tensor]], device: torch.device,
-               rank: int, world: int, input_dtype: torch.dtype) -> torch.Tensor:
-        """L2-normalised flip-summed embeddings of all images, complete on rank 0."""
+               rank: int, world: int, input_dtype: torch.dtype, name: str) -> torch.Tensor:
+        """L2-normalised flip-summed embeddings of all images, complete on rank 0 (which shows the progress)."""
         n = len(images)
         mine, _ = eval_shard(n, rank, world)  # padding duplicates are cut off after the gather ([:n])
         workers = min(self.cfg.data.num_workers, 2)
@@ -204,7 +205,7 @@ class MetricTask:
                                              batch_size=self.cfg.train.batch_size, num_workers=workers,
                                              **worker_options(workers))
         chunks = []
-        for imgs in loader:
+        for imgs in tracked(loader, len(loader), f"eval {name} ({len(images)} images)", rank == 0):
             chunks.append(flip_embeddings(forward, imgs.to(device, input_dtype)))
         local = torch.cat(gather_tensors(torch.cat(chunks)))  # every rank's, in rank order
         return local[:n].cpu()

@@ -28,9 +28,9 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils.data import DataLoader, Dataset
 from safetensors.torch import save_file
+from torchcodec.encoders import JpegEncoder
 from torchvision import tv_tensors
 from torchvision.datasets.folder import IMG_EXTENSIONS
-from torchvision.io import encode_jpeg
 from torchvision.utils import draw_bounding_boxes
 
 from vtrain import guarded
@@ -237,9 +237,9 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
                 for d in coco_detections(image_ids[i], boxes.numpy(), scores.numpy(), labels.numpy(), cat_ids):
                     dets.append({**d, "file_name": names[i]})
                 drawn = draw(original, boxes, scores, labels, [c["name"] for c in categories])
-                # encoded here and written by vtrain's checked writer: torchvision's write_jpeg ignores a short
-                # write, leaving a truncated JPEG under its final name with no error (guarded.py)
-                guarded.write_bytes(outputs[i], memoryview(encode_jpeg(drawn, quality=95).numpy()))
+                # encoded here and written by vtrain's checked writer: an encoder writing its own file may leave a
+                # truncated JPEG under its final name after a short write (guarded.py)
+                guarded.write_bytes(outputs[i], memoryview(JpegEncoder(drawn).to_tensor(quality=95).numpy()))
     write_json_atomic(out / "predictions.json", dets)
     return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device), score_threshold,
                          (size, max_size))

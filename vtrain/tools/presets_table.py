@@ -1,13 +1,16 @@
-"""`vtrain presets`: every preset with its parameter counts, built on the meta device (instant, no memory)."""
+"""`vtrain presets`: every preset with its parameter counts, from the stored table (vtrain/preset_counts.py, which
+tests/tools/test_presets_command.py checks against the models as built): no model is built, torch is not imported."""
 
 from __future__ import annotations
 
-import torch
 from rich.table import Table
 
-from vtrain.models.dino import DINO, count_parameters
-from vtrain.models.metric import MetricModel
+from vtrain.preset_counts import COUNTS
 from vtrain.presets import DINO_PRESETS, METRIC_PRESETS
+
+
+def _m(n: int) -> str:
+    return f"{n / 1e6:.2f}M"
 
 
 def preset_tables() -> list[Table]:
@@ -18,17 +21,13 @@ def preset_tables() -> list[Table]:
         t.add_column(col)
     for name, fn in METRIC_PRESETS.items():
         p = fn()
-        with torch.device("meta"):
-            m = MetricModel(name, 0, 112)
-        n, total = (sum(x.numel() for x in mod.parameters()) for mod in (m.backbone, m))
-        t.add_row(name, p.timm_name, f"{n / 1e6:.2f}M", f"{total / 1e6:.2f}M", p.description)
+        backbone, total = COUNTS["metric"][name]
+        t.add_row(name, p.timm_name, _m(backbone), _m(total), p.description)
     d = Table(title="--task dino: detectors (80 classes)")
     for col in ("preset", "timm backbone", "levels", "backbone", "total", "description"):
         d.add_column(col)
     for name, fn in DINO_PRESETS.items():
         p = fn()
-        with torch.device("meta"):
-            n = count_parameters(DINO(p, 80))
-        d.add_row(name, p.timm_name, str(p.levels), f"{n['backbone'] / 1e6:.2f}M", f"{n['total'] / 1e6:.2f}M",
-                  p.description)
+        backbone, total = COUNTS["dino"][name]
+        d.add_row(name, p.timm_name, str(p.levels), _m(backbone), _m(total), p.description)
     return [t, d]

@@ -33,11 +33,13 @@ from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import engine_layout
 from vtrain.engine import precision as prec
 from vtrain.engine.compile import compiled_blocks
+from vtrain.engine.ds_ops import announce_builds, quiet_other_ranks
 from vtrain.engine.ds_writes import guarded_save
 from vtrain.engine.engines.base import Engine, average_buffers, free_port, persistent_buffers
 from vtrain.engine.engines.ds_internals import TESTED, check_version, zero_norm_with_head
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
+from vtrain.safeio import enforce_weights_only
 
 class DeepSpeedEngine(Engine):
     layout = engine_layout.DEEPSPEED
@@ -63,6 +65,9 @@ class DeepSpeedEngine(Engine):
 
     @classmethod
     def launch_environment(cls, plan: Plan) -> None:
+        enforce_weights_only()  # DeepSpeed's checkpoint types admitted (safeio.py): only a DeepSpeed run imports it
+        announce_builds()  # DeepSpeed's C++ ops compiled on first use: a line before and after (ds_ops.py)
+        quiet_other_ranks()  # torch's and DeepSpeed's start-up warnings once, from rank 0
         if "RANK" not in os.environ:
             # A plain `vtrain train --ds-config ...` (or `accelerate launch` with one process) sets no rendezvous;
             # DeepSpeed would then try MPI discovery and fail on "No module named 'mpi4py'".
@@ -102,7 +107,7 @@ class DeepSpeedEngine(Engine):
     @classmethod
     def make_optimizer(cls, plan: Plan, groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
         if plan.offload_optimizer:
-            # ZeRO-Offload steps on the CPU and requires DeepSpeed's CPU Adam (compiled once, ~2 min on a new machine)
+            # ZeRO-Offload steps on the CPU and requires DeepSpeed's CPU Adam (compiled once per machine: ds_ops.py)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
