@@ -65,7 +65,9 @@ def test_pair_scores_in_chunks_equal_one_pass():
     pairs = rng.integers(0, 50, (1001, 2)).astype(np.int32)
     want = (t[pairs[:, 0]] * t[pairs[:, 1]]).sum(1)
     for chunk in (1, 7, 1000, 5000):
-        np.testing.assert_allclose(template_pair_scores(t, pairs, chunk), want, atol=1e-15)
+        np.testing.assert_allclose(template_pair_scores(t, pairs, chunk, "gather"), want, atol=1e-15)
+    np.testing.assert_allclose(template_pair_scores(t, pairs, method="blocks"), want, atol=1e-15)
+    assert template_pair_scores(t, pairs[:10]).tolist() == template_pair_scores(t, pairs[:10], method="gather").tolist()
 
 
 @settings(deadline=None)
@@ -107,8 +109,8 @@ def test_nearest_point_can_lie_above_the_target_and_at_or_below_never_does():
 
 
 def test_scores_and_table_in_bounded_memory():
-    """1M pairs of 64-d templates: the chunked scores hold 2 x 8192 x 64 floats at a time (plus the result), the
-    table a few arrays of one entry per pair (traced by tracemalloc: numpy reports its buffers)."""
+    """1M pairs of 64-d templates: the scores hold a block (<= 32 MiB) and the pairs' order at a time besides the
+    result, the table a few arrays of one entry per pair (traced by tracemalloc: numpy reports its buffers)."""
     rng = np.random.default_rng(0)
     t = rng.normal(size=(2000, 64))
     t /= np.linalg.norm(t, axis=1, keepdims=True)
@@ -123,5 +125,5 @@ def test_scores_and_table_in_bounded_memory():
         table_peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert scoring_peak < 8e6 + 2 * 8192 * 64 * 8 * 2  # the 8 MB result + the chunk's gathers
+    assert scoring_peak < 8e6 * 3 + 2 * 256 * 2000 * 8  # result, order, block ids + a block's products
     assert table_peak < 60e6  # about 6 arrays of 1M float64 / int64; a pairs x pairs matrix would be 8 TB

@@ -40,6 +40,11 @@ def similarity_transform(src: np.ndarray, dst: np.ndarray = ARCFACE_TEMPLATE) ->
         raise AlignmentError(f"landmarks of shape {src.shape}, expected {dst.shape}")
     if not np.isfinite(src).all():
         raise AlignmentError("landmarks are not finite")
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow shows as a non-finite value, refused
+        return _umeyama(src, dst)
+
+
+def _umeyama(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     # means, covariance and SVD in float32 (the precision of eval_ijbc.py's estimate), the composition in float64
     mu_src, mu_dst = src.mean(0), dst.mean(0)
     a, b = src - mu_src, dst - mu_dst
@@ -84,6 +89,8 @@ def warp_affine(image: np.ndarray, matrix: np.ndarray, size: int = CROP) -> np.n
     a11, a22, a12, a21 = m[1, 1] / det, m[0, 0] / det, -m[0, 1] / det, -m[1, 0] / det
     inv = np.array([[a11, a12, -a11 * m[0, 2] - a12 * m[1, 2]],
                     [a21, a22, -a21 * m[0, 2] - a22 * m[1, 2]]]).astype(np.float32)
+    if not np.isfinite(inv).all():
+        raise AlignmentError("the transform is not finite in float32")
     xs = np.arange(size, dtype=np.float32)[None, :]
     ys = np.arange(size, dtype=np.float32)[:, None]
     row_x = (ys * inv[0, 1] + inv[0, 2]).astype(np.float32)  # per row, not fused

@@ -155,12 +155,13 @@ def ijb_table(metrics: dict[str, Any], title: str):
 
     target = metrics["benchmark"]
     t = Table(title=title)
-    for col in ("FAR", "TAR (nearest ROC point)", "its FAR", "threshold", "TAR (FAR <= target)", "note"):
-        t.add_column(col)
+    for col in ("FAR", "TAR", "its FAR", "threshold", "TAR, FAR<=", "note"):
+        t.add_column(col, no_wrap=True)
     for r in metrics["rows"]:
-        note = "" if r["resolvable"] else f"unresolvable: < {1 / r['far_target']:.0f} impostor pairs"
+        note = "" if r["resolvable"] else f"< {1 / r['far_target']:.0e} impostors"
         t.add_row(f"{r['far_target']:.0e}", f"{100 * r['tar']:.2f}%", f"{r['far']:.2e}", f"{r['threshold']:.4f}",
                   f"{100 * r['tar_at_or_below']:.2f}%", note)
-    t.caption = (f"{metrics[f'{target}/genuine_pairs']} genuine / {metrics[f'{target}/impostor_pairs']} impostor "
-                 f"pairs; AUC {metrics[f'{target}/auc']:.6f}")
+    t.caption = (f"TAR: at the ROC point whose FAR is nearest (eval_ijbc.py); TAR, FAR<=: the best with FAR <= "
+                 f"target. {metrics[f'{target}/genuine_pairs']} genuine / {metrics[f'{target}/impostor_pairs']} "
+                 f"impostor pairs; AUC {metrics[f'{target}/auc']:.6f}")
     return t
