@@ -105,41 +105,30 @@ def evaluate(
         help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
     max_size: Annotated[Optional[int], typer.Option(
         help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
-    ijb: Annotated[Optional[Path], typer.Option(
-        help="Metric: IJB-B / IJB-C 1:1 verification on this release folder (meta/, loose_crop/), as insightface's "
-        "eval_ijbc.py")] = None,
-    ijb_target: Annotated[Optional[str], typer.Option(
-        help="ijbb or ijbc: which protocol of --ijb (default: the one whose files are there)")] = None,
+    ijb: Annotated[Optional[Path], typer.Option(help="Metric: IJB-B/C 1:1 verification on this folder")] = None,
+    ijb_target: Annotated[Optional[str], typer.Option(help="ijbb or ijbc (default: from --ijb's files)")] = None,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy), IJB-B/C
     1:1 verification (--ijb) or COCO box AP."""
     from vtrain.engine.logging import console
 
-    if ijb is None and ijb_target is not None:
-        raise VtrainError("--ijb-target: only with --ijb")
-    if ijb is not None:  # its own route: none of the other data flags apply (each would be silently ignored)
-        given = [f for f, v in (("--data", data), ("--val-data", val_data), ("--pairs", pairs),
-                                ("--val-targets", val_targets), ("--val-ann", val_ann), ("--val-images", val_images),
-                                ("--save-predictions", save_predictions), ("--image-size", image_size),
-                                ("--max-size", max_size)) if v is not None] + (["--classwise"] if classwise else [])
-        if given:
-            raise VtrainError(f"{given[0]}: not with --ijb (IJB evaluation reads only the --ijb folder)")
-        if task is not None and task.value != "metric":
-            raise VtrainError(f"--ijb: only for face (metric) checkpoints, not --task {task.value}")
+    # --ijb is its own route: each other data flag would be silently ignored (checked before anything is loaded)
+    others = [f for f, v in (("--data", data), ("--val-data", val_data), ("--pairs", pairs), ("--val-targets",
+              val_targets), ("--val-ann", val_ann), ("--val-images", val_images), ("--save-predictions",
+              save_predictions), ("--image-size", image_size), ("--max-size", max_size)) if v is not None]
+    if ijb is None and ijb_target is not None or ijb is not None and (others or classwise or task == Task.dino):
+        raise VtrainError("--ijb-target: only with --ijb" if ijb is None else "--ijb: only for face (metric) "
+                          "checkpoints" if task == Task.dino else f"{(others or ['--classwise'])[0]}: not with --ijb")
     if best:
         from vtrain.engine.best import best_checkpoint
 
         checkpoint = best_checkpoint(checkpoint, "--checkpoint")
         console.print(f"best checkpoint: {checkpoint}", soft_wrap=True)
     if ijb is not None:
-        from vtrain.tools.ijb_eval import evaluate_ijb, ijb_table
+        from vtrain.tools.ijb_eval import evaluate_ijb
 
-        result = evaluate_ijb(checkpoint, ijb, ijb_target, batch_size, weights, max_pixels=max_image_pixels)
-        m = result.metrics
-        console.print(ijb_table(m, f"{m['benchmark'].upper()} 1:1 verification: {checkpoint} ({m['weights']} "
-                                   "weights)"))
-        if as_json:
-            print(json.dumps({k: v for k, v in m.items() if k != "rows"}))
+        evaluate_ijb(checkpoint, ijb, ijb_target, batch_size, weights, max_pixels=max_image_pixels,
+                     report_json=as_json)
         return
     from vtrain.tools.evaluate import evaluate_checkpoint
 

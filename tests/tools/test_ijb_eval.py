@@ -123,6 +123,7 @@ def test_command_json_and_table(tmp_path, run_dir, vtrain_run, monkeypatch, caps
 @pytest.mark.parametrize("args,needle", [
     (["--pairs", "p.txt"], "--pairs: not with --ijb"),
     (["--task", "dino"], "--ijb: only for face (metric) checkpoints"),
+    (["--classwise"], "--classwise: not with --ijb"),
     (["--ijb-target", "ijba"], "--ijb-target: 'ijba'"),
     (["--ijb-target", "ijbb"], "IJB-B file missing"),
 ])

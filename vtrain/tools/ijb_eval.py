@@ -9,6 +9,7 @@ and the TAR@FAR table made. Peak memory: the protocol's arrays, the templates (T
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -71,8 +72,9 @@ def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 def evaluate_ijb(checkpoint: str | Path, root: str | Path, target: str | None = None, batch_size: int | None = None,
                  weights_choice: str | None = None, num_workers: int = 2, max_pixels: int | None = None,
-                 fars: tuple[float, ...] = IJB_FARS) -> IjbResult:
-    """The whole evaluation (module docstring). `target`: ijbb or ijbc (default: from the files)."""
+                 fars: tuple[float, ...] = IJB_FARS, report_json: bool | None = None) -> IjbResult:
+    """The whole evaluation (module docstring). `target`: ijbb or ijbc (default: from the files). `report_json`
+    not None: print the table, and with True the metrics as one JSON object on the last line (`vtrain eval`)."""
     if batch_size is not None and batch_size < 1:
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
     if max_pixels is not None and not 1 <= max_pixels <= MAX_IMAGE_PIXELS_CEILING:
@@ -95,7 +97,14 @@ def evaluate_ijb(checkpoint: str | Path, root: str | Path, target: str | None = 
     console.print(f"scoring {len(protocol.labels)} template pairs ...", soft_wrap=True)
     scores = template_pair_scores(sums.normalized(), protocol.pairs)
     table = tar_at_far_table(protocol.labels, scores, fars)
-    return IjbResult(_flat(files.target, table, loaded.weights, str(loaded.path)), scores, protocol.labels)
+    result = IjbResult(_flat(files.target, table, loaded.weights, str(loaded.path)), scores, protocol.labels)
+    if report_json is not None:
+        m = result.metrics
+        console.print(ijb_table(m, f"{m['benchmark'].upper()} 1:1 verification: {checkpoint} ({m['weights']} "
+                                   "weights)"))
+        if report_json:
+            print(json.dumps({k: v for k, v in m.items() if k != "rows"}))
+    return result
 
 
 def embed_templates(embed: Callable[[torch.Tensor], torch.Tensor], device: torch.device, protocol: IjbProtocol,
