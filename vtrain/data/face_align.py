@@ -71,50 +71,59 @@ def _umeyama(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     return m
 
 
-def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """a * b + c with one rounding to float32, as a fused multiply-add: the product of two float32 values is exact
-    in float64, and so is the sum here up to a last-bit double rounding (which our tests never met)."""
-    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
-
-
 def warp_affine(image: np.ndarray, matrix: np.ndarray, size: int = CROP) -> np.ndarray:
     """`image` (H x W x C uint8) warped by the 2 x 3 forward `matrix` (source -> crop) to size x size x C uint8,
     bilinear, with 0 outside the source (OpenCV's warpAffine with INTER_LINEAR and BORDER_CONSTANT 0)."""
-    h, w = image.shape[:2]
+    sx, sy = _source_points(matrix, size)
+    x0, y0 = np.floor(sx), np.floor(sy)
+    # the fractions are exact (a float32 minus its floor); float64 makes each step below one fused multiply-add
+    fx = (sx - x0).astype(np.float64)[:, None]
+    fy = (sy - y0).astype(np.float64)[:, None]
+    taps = _neighbours(image, x0.astype(np.int64), y0.astype(np.int64))
+    # along x, both rows at once: p0 + fx (p1 - p0) with an exact difference and an exact product (24 x 9 bits),
+    # one rounding to float32 (a fused multiply-add; up to a last-bit double rounding, which our tests never met)
+    left, right = taps[0::2], taps[1::2]
+    right -= left
+    right *= fx
+    right += left
+    top, bottom = right.astype(np.float32)
+    # along y: the difference of the rows rounded to float32, then fused as above
+    value = (fy * (bottom - top) + top).astype(np.float32)
+    return np.clip(np.rint(value), 0, 255).astype(np.uint8).reshape(size, size, image.shape[2])
+
+
+def _source_points(matrix: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The source point (x, y) of every crop pixel, row by row, in float32 as OpenCV computes them: the matrix
+    inverted in float64 and cast to float32, each row's offset in float32, then one fused multiply-add per pixel."""
     m = np.asarray(matrix, np.float64)
     det = m[0, 0] * m[1, 1] - m[0, 1] * m[1, 0]
     if det == 0 or not np.isfinite(det):
         raise AlignmentError("the transform is singular")
-    # the crop -> source map, inverted in float64 then used in float32 (OpenCV's order)
     a11, a22, a12, a21 = m[1, 1] / det, m[0, 0] / det, -m[0, 1] / det, -m[1, 0] / det
     inv = np.array([[a11, a12, -a11 * m[0, 2] - a12 * m[1, 2]],
                     [a21, a22, -a21 * m[0, 2] - a22 * m[1, 2]]]).astype(np.float32)
     if not np.isfinite(inv).all():
         raise AlignmentError("the transform is not finite in float32")
-    xs = np.arange(size, dtype=np.float32)[None, :]
+    xs = np.arange(size, dtype=np.float64)[None, :]
     ys = np.arange(size, dtype=np.float32)[:, None]
-    row_x = (ys * inv[0, 1] + inv[0, 2]).astype(np.float32)  # per row, not fused
-    row_y = (ys * inv[1, 1] + inv[1, 2]).astype(np.float32)
-    sx, sy = _fma32(inv[0, 0], xs, row_x), _fma32(inv[1, 0], xs, row_y)
+    sx = (np.float64(inv[0, 0]) * xs + (ys * inv[0, 1] + inv[0, 2])).astype(np.float32).reshape(-1)
+    sy = (np.float64(inv[1, 0]) * xs + (ys * inv[1, 1] + inv[1, 2])).astype(np.float32).reshape(-1)
     # beyond +-2^30 pixels every sample is outside: clip before the integer conversion
-    sx, sy = np.clip(sx, -2.0**30, 2.0**30), np.clip(sy, -2.0**30, 2.0**30)
-    ix, iy = np.floor(sx).astype(np.int64), np.floor(sy).astype(np.int64)
-    fx = (sx - ix.astype(np.float32))[..., None]
-    fy = (sy - iy.astype(np.float32))[..., None]
-    padded = np.zeros((h + 2, w + 2, image.shape[2]), np.float32)
-    padded[1:-1, 1:-1] = image
+    return np.clip(sx, -2.0**30, 2.0**30, out=sx), np.clip(sy, -2.0**30, 2.0**30, out=sy)
 
-    def tap(dy: int, dx: int) -> np.ndarray:  # a neighbour, 0 beyond the image (the padding ring, or clipped away)
-        yy, xx = iy + dy, ix + dx
-        inside = (yy >= -1) & (yy <= h) & (xx >= -1) & (xx <= w)
-        return np.where(inside[..., None], padded[np.clip(yy + 1, 0, h + 1), np.clip(xx + 1, 0, w + 1)],
-                        np.float32(0))
 
-    p00, p01, p10, p11 = tap(0, 0), tap(0, 1), tap(1, 0), tap(1, 1)
-    top = _fma32(fx, p01 - p00, p00)
-    bottom = _fma32(fx, p11 - p10, p10)
-    value = _fma32(fy, bottom - top, top)
-    return np.clip(np.rint(value), 0, 255).astype(np.uint8)
+def _neighbours(image: np.ndarray, x0: np.ndarray, y0: np.ndarray) -> np.ndarray:
+    """The pixels (x0, y0), (x0 + 1, y0), (x0, y0 + 1), (x0 + 1, y0 + 1) of each sample as 4 x N x C float64,
+    0 where one lies outside the image. One gather from the uint8 image with a zero pixel appended (outside points
+    index it), so nothing of the size of the source image is made in floating point (IJB images are often
+    several times the crop's size)."""
+    h, w, c = image.shape
+    xs, ys = np.stack([x0, x0 + 1]), np.stack([y0, y0 + 1])
+    index = ys[:, None] * w + xs[None]  # 2 x 2 x N (row, column); |x0|, |y0| <= 2^30: no int64 overflow
+    index[((ys < 0) | (ys >= h))[:, None] | ((xs < 0) | (xs >= w))[None]] = h * w
+    flat = np.zeros((h * w + 1, c), np.uint8)
+    flat[:-1].reshape(h, w, c)[...] = image
+    return flat.take(index.reshape(-1), axis=0).reshape(4, -1, c).astype(np.float64)
 
 
 def align_face(image: np.ndarray, landmarks: np.ndarray, size: int = CROP) -> np.ndarray:
