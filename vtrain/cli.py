@@ -111,33 +111,18 @@ def evaluate(
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy), IJB-B/C
     1:1 verification (--ijb) or COCO box AP."""
     from vtrain.engine.logging import console
+    from vtrain.tools.evaluate import evaluate_checkpoint
 
-    # --ijb is its own route: each other data flag would be silently ignored (checked before anything is loaded)
-    others = [f for f, v in (("--data", data), ("--val-data", val_data), ("--pairs", pairs), ("--val-targets",
-              val_targets), ("--val-ann", val_ann), ("--val-images", val_images), ("--save-predictions",
-              save_predictions), ("--image-size", image_size), ("--max-size", max_size)) if v is not None]
-    if ijb is None and ijb_target is not None or ijb is not None and (others or classwise or task == Task.dino):
-        raise VtrainError("--ijb-target: only with --ijb" if ijb is None else "--ijb: only for face (metric) "
-                          "checkpoints" if task == Task.dino else f"{(others or ['--classwise'])[0]}: not with --ijb")
     if best:
         from vtrain.engine.best import best_checkpoint
 
         checkpoint = best_checkpoint(checkpoint, "--checkpoint")
         console.print(f"best checkpoint: {checkpoint}", soft_wrap=True)
-    if ijb is not None:
-        from vtrain.tools.ijb_eval import evaluate_ijb
-
-        evaluate_ijb(checkpoint, ijb, ijb_target, batch_size, weights, max_pixels=max_image_pixels,
-                     report_json=as_json)
-        return
-    from vtrain.tools.evaluate import evaluate_checkpoint
-
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
                  "val_ann": val_ann, "val_images": val_images, "max_image_pixels": max_image_pixels}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
-                                            save_predictions, weights, overwrite, image_size, max_size)
-    if classwise and "per_class" not in metrics:
-        raise VtrainError("--classwise: only for detection checkpoints")
+                                            save_predictions, weights, overwrite, image_size, max_size, classwise,
+                                            ijb, ijb_target)
     size = f", test size {metrics['test_size'][0]}/{metrics['test_size'][1]}" if "test_size" in metrics else ""
     console.print(run_task.metrics_table(metrics, title=f"{run_task.name}: {checkpoint} ({metrics['weights']} "
                                                         f"weights{size})"))

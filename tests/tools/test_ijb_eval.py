@@ -17,7 +17,7 @@ from tests.helpers.paths import FIXTURES
 from vtrain.data.face_align import align_face
 from vtrain.data.ijb import find_ijb, read_ijb
 from vtrain.data.images import decode_rgb
-from vtrain.eval.ijb import IJB_FARS, tar_at_far_table, template_pair_scores
+from vtrain.eval.ijb import tar_at_far_table, template_pair_scores
 from vtrain.models.metric import MetricModel
 from vtrain.tools.ijb_eval import embed_templates
 
@@ -117,7 +117,8 @@ def test_command_json_and_table(tmp_path, run_dir, vtrain_run, monkeypatch, caps
         key = f"ijbb/TAR@FAR={r['far_target']:g}"
         assert m[key] == pytest.approx(r["tar"]) and m[f"{key}/at_or_below"] == pytest.approx(r["tar_at_or_below"])
         assert m[f"{key}/resolvable"] == r["resolvable"]
-    assert "IJBB 1:1 verification" in out and "TAR, FAR<=" in out and "< 1e+06 impostors" in out and f"{len(labels)} template pairs" in out
+    assert f"IJB-B 1:1 verification: {run_dir}" in out and "TAR, FAR<=" in out and "< 1e+06 impostors" in out
+    assert f"{len(labels)} template pairs" in out
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -137,3 +138,11 @@ def test_refusals_are_one_line(run_dir, monkeypatch, capsys, args, needle):
 def test_ijb_target_without_ijb_is_refused(run_dir, monkeypatch, capsys):
     code, _, err = cli_in_process(monkeypatch, capsys, "eval", "--checkpoint", str(run_dir), "--ijb-target", "ijbc")
     assert code == 2 and "error: --ijb-target: only with --ijb" in err
+
+
+def test_classwise_for_a_face_checkpoint_is_refused_before_evaluating(run_dir, monkeypatch, capsys):
+    """--classwise is detection's: refused with the other foreign flags, before the evaluation (it was refused after
+    a whole face evaluation had run)."""
+    code, out, err = cli_in_process(monkeypatch, capsys, "eval", "--checkpoint", str(run_dir), "--classwise",
+                                    "--val-data", str(FIXTURE / "none"))
+    assert code == 2 and "error: --classwise: only for detection checkpoints" in err and "Traceback" not in err, err

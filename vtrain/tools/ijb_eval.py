@@ -1,5 +1,7 @@
 """`vtrain eval --task metric --checkpoint RUN --ijb DIR`: IJB-B / IJB-C 1:1 verification of a face checkpoint as
-insightface's `arcface_torch/eval_ijbc.py` computes it (docs/evaluation.md, docs/face.md §7).
+insightface's `arcface_torch/eval_ijbc.py` computes it (docs/evaluation.md, docs/face.md §7). The command's
+evaluate_checkpoint (tools/evaluate.py) checks the flags, loads the model and calls the steps here; the table and
+--json are printed as any other evaluation's.
 
 The protocol is read and checked first (data/ijb.py; one error line for any problem, before the model is built),
 then every face is aligned from its five landmarks (data/face_align.py) in DataLoader workers, embedded with its
@@ -9,12 +11,10 @@ and the TAR@FAR table made. Peak memory: the protocol's arrays, the templates (T
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,25 +22,25 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils.data import DataLoader, Dataset
 
-from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING
+from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
 from vtrain.data.face_align import AlignmentError, align_face
 from vtrain.data.faces import to_model_input
-from vtrain.data.ijb import IjbProtocol, find_ijb, read_ijb
+from vtrain.data.ijb import IjbFiles, IjbProtocol, read_ijb
 from vtrain.data.images import decode_rgb
 from vtrain.data.workers import worker_options
 from vtrain.engine.logging import console
 from vtrain.errors import VtrainError
 from vtrain.eval.ijb import IJB_FARS, TemplateSums, pooling_weights, tar_at_far_table, template_pair_scores
-from vtrain.tools.evaluate import checkpoint_task, load_model
 
 
 @dataclass
-class IjbResult:
-    metrics: dict[str, Any]
-    """Flat keys for --json: `ijbc/TAR@FAR=0.0001` (+ `/far`, `/threshold`, `/at_or_below`, ...), plus `rows`."""
-    scores: np.ndarray
-    """The cosine score of every template pair, in the pair file's order."""
-    labels: np.ndarray
+class IjbReport:
+    """What `vtrain eval` prints an IJB result with, as it prints a task's metrics."""
+    name: str
+
+    @staticmethod
+    def metrics_table(metrics: dict[str, Any], title: str):
+        return ijb_table(metrics, title)
 
 
 class _Crops(Dataset):
@@ -70,41 +70,26 @@ def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return {"error": bad} if bad else torch.utils.data.default_collate(samples)
 
 
-def evaluate_ijb(checkpoint: str | Path, root: str | Path, target: str | None = None, batch_size: int | None = None,
-                 weights_choice: str | None = None, num_workers: int = 2, max_pixels: int | None = None,
-                 fars: tuple[float, ...] = IJB_FARS, report_json: bool | None = None) -> IjbResult:
-    """The whole evaluation (module docstring). `target`: ijbb or ijbc (default: from the files). `report_json`
-    not None: print the table, and with True the metrics as one JSON object on the last line (`vtrain eval`)."""
-    if batch_size is not None and batch_size < 1:
-        raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
-    if max_pixels is not None and not 1 <= max_pixels <= MAX_IMAGE_PIXELS_CEILING:
-        raise VtrainError(f"--max-image-pixels: must be in 1..{MAX_IMAGE_PIXELS_CEILING} pixels, got {max_pixels}")
-    files = find_ijb(root, target)
-    found = checkpoint_task(checkpoint)  # a missing or foreign checkpoint before the protocol is read
-    if found != "metric":
-        raise VtrainError(f"--ijb: only for face (metric) checkpoints; {checkpoint} is a {found} checkpoint")
+def read_protocol(files: IjbFiles) -> IjbProtocol:
+    """The protocol read and checked (data/ijb.py), said before and after: IJB-C's files take minutes."""
     console.print(f"reading the {files.name} protocol in {files.root} ...", soft_wrap=True)
     start = time.perf_counter()
     protocol = read_ijb(files)
     console.print(f"{files.name}: {len(protocol.names)} faces, {len(protocol.template_ids)} templates, "
                   f"{len(protocol.labels)} pairs ({int(protocol.labels.sum())} genuine), read in "
                   f"{time.perf_counter() - start:.1f} s", soft_wrap=True)
-    loaded = load_model(checkpoint, "metric", weights_choice=weights_choice, task_flag="--ijb")
-    limit = max_pixels or loaded.saved_data.get("max_image_pixels") or DEFAULT_MAX_IMAGE_PIXELS
-    sums = embed_templates(lambda x: loaded.model(images=x)["embedding"], loaded.device, protocol,
-                           loaded.cfg.model.image_size,
-                           loaded.cfg.train.batch_size if batch_size is None else batch_size, num_workers, limit)
+    return protocol
+
+
+def verify(protocol: IjbProtocol, embed: Callable[[torch.Tensor], torch.Tensor], device: torch.device, size: int,
+           batch_size: int, max_pixels: int, num_workers: int = 2,
+           fars: tuple[float, ...] = IJB_FARS) -> tuple[np.ndarray, dict[str, Any]]:
+    """Every face embedded into its template (`embed_templates`), every template pair scored, the TAR@FAR table:
+    (the cosine score of each pair in the pair file's order, the table of eval/ijb.py's tar_at_far_table)."""
+    sums = embed_templates(embed, device, protocol, size, batch_size, num_workers, max_pixels)
     console.print(f"scoring {len(protocol.labels)} template pairs ...", soft_wrap=True)
     scores = template_pair_scores(sums.normalized(), protocol.pairs)
-    table = tar_at_far_table(protocol.labels, scores, fars)
-    result = IjbResult(_flat(files.target, table, loaded.weights, str(loaded.path)), scores, protocol.labels)
-    if report_json is not None:
-        m = result.metrics
-        console.print(ijb_table(m, f"{m['benchmark'].upper()} 1:1 verification: {checkpoint} ({m['weights']} "
-                                   "weights)"))
-        if report_json:
-            print(json.dumps({k: v for k, v in m.items() if k != "rows"}))
-    return result
+    return scores, tar_at_far_table(protocol.labels, scores, fars)
 
 
 def embed_templates(embed: Callable[[torch.Tensor], torch.Tensor], device: torch.device, protocol: IjbProtocol,
@@ -142,7 +127,9 @@ def _progress(total: int, what: str) -> Progress:
     return p
 
 
-def _flat(target: str, table: dict, weights: str, checkpoint: str) -> dict[str, Any]:
+def flat_metrics(target: str, table: dict, weights: str, checkpoint: str) -> dict[str, Any]:
+    """The table as --json prints it: `ijbc/TAR@FAR=0.0001` (+ `/far`, `/threshold`, `/at_or_below`, ...), plus
+    `rows` (what the table is drawn from)."""
     out: dict[str, Any] = {"benchmark": target, "checkpoint": checkpoint, "weights": weights}
     for r in table["rows"]:
         key = f"{target}/TAR@FAR={r['far_target']:g}"
