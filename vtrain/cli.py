@@ -111,9 +111,12 @@ def evaluate(
         help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
     max_size: Annotated[Optional[int], typer.Option(
         help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
+    ijb: Annotated[Optional[Path], typer.Option(help="Metric: IJB-B/C 1:1 verification on this folder")] = None,
+    ijb_target: Annotated[Optional[str], typer.Option(help="ijbb or ijbc (default: from --ijb's files)")] = None,
 ) -> None:
-    """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy) or COCO
-    box AP. With --save-predictions the console also goes to eval.log beside the predictions."""
+    """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy), IJB-B/C
+    1:1 verification (--ijb) or COCO box AP. With --save-predictions the console also goes to eval.log beside the
+    predictions."""
     check_exists(checkpoint, "--checkpoint")
     start_log()  # kept for eval.log, written once the predictions are (the evaluation's output place)
     from vtrain.tools.evaluate import evaluate_checkpoint
@@ -126,9 +129,8 @@ def evaluate(
     overrides = {"path": data, "val_path": val_data, "pairs_file": pairs, "val_targets": val_targets,
                  "val_ann": val_ann, "val_images": val_images, "max_image_pixels": max_image_pixels}
     run_task, metrics = evaluate_checkpoint(checkpoint, overrides, batch_size, task.value if task else None,
-                                            save_predictions, weights, overwrite, image_size, max_size)
-    if classwise and "per_class" not in metrics:
-        raise VtrainError("--classwise: only for detection checkpoints")
+                                            save_predictions, weights, overwrite, image_size, max_size, classwise,
+                                            ijb, ijb_target)
     log, why = eval_log(save_predictions) if save_predictions else (None, "")
     if log is not None:
         log_to(log, header("eval"))

@@ -1,8 +1,10 @@
 """Loading a trained model from a checkpoint (config.yaml + its fp32 weights: the EMA weights when the run kept
-them, else model.safetensors), for `vtrain eval` and `vtrain predict`, and `vtrain eval` itself."""
+them, else model.safetensors), for `vtrain eval` and `vtrain predict`, and `vtrain eval` itself (with its IJB-B/C
+route, whose steps are in tools/ijb_eval.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from vtrain import guarded
-from vtrain.config import DataConfig, RunConfig, load_run_config
+from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING, DataConfig, RunConfig, load_run_config
 from vtrain.config.paths import check_data
+from vtrain.data.ijb import find_ijb
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import content
 from vtrain.engine.ema import weights_file
@@ -21,6 +24,8 @@ from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict
 from vtrain.tasks import build_model, build_task
 from vtrain.tasks.dino import chosen_test_sizes
+from vtrain.tools import ijb_eval
+from vtrain.tools.ijb_eval import IjbReport
 
 
 @dataclass
@@ -85,21 +90,32 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
 # `vtrain eval` data flags that only one task's evaluation reads (DataConfig field, flag)
 TASK_FLAGS = {"metric": (("val_path", "--val-data"), ("pairs_file", "--pairs"), ("val_targets", "--val-targets")),
               "dino": (("val_ann", "--val-ann"), ("val_images", "--val-images"))}
+# every `vtrain eval` flag that names the data to evaluate on (DataConfig field, flag)
+DATA_FLAGS = (("path", "--data"), *TASK_FLAGS["metric"], *TASK_FLAGS["dino"])
 
 
 def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int | None = None,
                         task_name: str | None = None, save_predictions: str | None = None,
                         weights_choice: str | None = None, overwrite: bool = False, image_size: int | None = None,
-                        max_size: int | None = None) -> tuple[Any, dict]:
+                        max_size: int | None = None, classwise: bool = False, ijb: Path | None = None,
+                        ijb_target: str | None = None) -> tuple[Any, dict]:
     """Returns (task, metrics); metrics["weights"] says which weights were evaluated (ema | model). `data` holds
     DataConfig overrides (path, val_path, pairs_file, val_ann, ...); unset values fall back to the data the run was
     trained on. `weights_choice`: ema, model or None (EMA when present). `save_predictions` is refused when it
     exists (unless `overwrite`) or lies in a checkpoint, before anything is evaluated; it and the other data flags
     of one task are refused for the other task's checkpoint. `batch_size`: None is the run's micro-batch.
     `image_size` / `max_size`: detection's test resize instead of the run's (tasks/dino.py: chosen_test_sizes);
-    metrics["test_size"] is the one used."""
+    metrics["test_size"] is the one used. `classwise`: AP per category, refused for a face checkpoint before
+    anything is evaluated. `ijb` / `ijb_target`: IJB-B/C 1:1 verification instead (tools/ijb_eval.py), which takes
+    none of the data flags but --max-image-pixels."""
     if batch_size is not None and batch_size < 1:  # 0 is refused, never taken for "not given"
         raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
+    if ijb is not None or ijb_target is not None:
+        others = [flag for key, flag in DATA_FLAGS if data.get(key) is not None]
+        others += [flag for flag, v in (("--save-predictions", save_predictions), ("--image-size", image_size),
+                                        ("--max-size", max_size), ("--classwise", classwise or None)) if v is not None]
+        return evaluate_ijb(checkpoint, ijb, ijb_target, task_name, batch_size, weights_choice,
+                            data.get("max_image_pixels"), others)
     if save_predictions:
         guarded.claim_output([Path(save_predictions)], overwrite, "--save-predictions", ckpt.inside_checkpoint)
     loaded = load_model(checkpoint, task_name, weights_choice=weights_choice)
@@ -109,7 +125,7 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     foreign = [flag for key, flag in TASK_FLAGS["metric" if cfg.task == "dino" else "dino"] if given.get(key)]
     if cfg.task != "dino":  # the metric evaluation writes no predictions; a face model's input size is its own
         foreign += [flag for flag, v in (("--save-predictions", save_predictions), ("--image-size", image_size),
-                                         ("--max-size", max_size)) if v is not None]
+                                         ("--max-size", max_size), ("--classwise", classwise or None)) if v is not None]
     if foreign:
         raise VtrainError(f"{foreign[0]}: only for {'face (metric)' if cfg.task == 'dino' else 'detection'} "
                           f"checkpoints; {loaded.path} is a {cfg.task} checkpoint")
@@ -140,3 +156,31 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     if cfg.task == "dino":
         metrics["test_size"] = [task.size, task.max_size]
     return task, metrics
+
+
+def evaluate_ijb(checkpoint: Path, root: Path | None, target: str | None = None, task_name: str | None = None,
+                 batch_size: int | None = None, weights_choice: str | None = None, max_pixels: int | None = None,
+                 others: Sequence[str] = ()) -> tuple[IjbReport, dict]:
+    """`vtrain eval --ijb` (tools/ijb_eval.py): (what prints the metrics, the metrics). Each flag is checked and
+    the protocol read before the model is built. `target`: ijbb or ijbc (default: from the files); `others`: the
+    other data flags given, which this evaluation would ignore (refused)."""
+    if root is None:
+        raise VtrainError("--ijb-target: only with --ijb")
+    if task_name == "dino":
+        raise VtrainError("--ijb: only for face (metric) checkpoints")
+    if others:
+        raise VtrainError(f"{others[0]}: not with --ijb")
+    if max_pixels is not None and not 1 <= max_pixels <= MAX_IMAGE_PIXELS_CEILING:
+        raise VtrainError(f"--max-image-pixels: must be in 1..{MAX_IMAGE_PIXELS_CEILING} pixels, got {max_pixels}")
+    files = find_ijb(root, target)
+    found = checkpoint_task(checkpoint)  # a missing or foreign checkpoint before the protocol is read
+    if found != "metric":
+        raise VtrainError(f"--ijb: only for face (metric) checkpoints; {checkpoint} is a {found} checkpoint")
+    protocol = ijb_eval.read_protocol(files)
+    loaded = load_model(checkpoint, "metric", weights_choice=weights_choice, task_flag="--ijb")
+    _, table = ijb_eval.verify(protocol, lambda x: loaded.model(images=x)["embedding"], loaded.device,
+                               loaded.cfg.model.image_size,
+                               loaded.cfg.train.batch_size if batch_size is None else batch_size,
+                               max_pixels or loaded.saved_data.get("max_image_pixels") or DEFAULT_MAX_IMAGE_PIXELS)
+    return (IjbReport(f"{files.name} 1:1 verification"),
+            ijb_eval.flat_metrics(files.target, table, loaded.weights, str(loaded.path)))
