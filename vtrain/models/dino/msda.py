@@ -8,6 +8,9 @@
 - `pytorch`: one bilinear `grid_sample` per level (zeros padding, align_corners=False), as the reference
   fallbacks in docs/dino.md §3; the reference for the tests and the CPU path. It keeps every sampled value for
   backward (about 1.8 GB per encoder layer and image at 800x1333, 5 scales).
+- `gather`: the same bilinear sampling written with index arithmetic and `torch.gather` (no `grid_sample`): the
+  path `vtrain export --msda gather` writes into an ONNX graph for runtimes without GridSample (TensorRT's
+  ONNX parser, for one). Forward only in practice: it keeps 4 gathered corners per sample for backward.
 - `auto`: Triton for CUDA tensors in fp32/bf16/fp16 when the kernels can run there, the PyTorch path otherwise
   (`auto_impl` changes that choice, for the memory estimator tracing a GPU run on CPU). Whether they can run is
   decided once per process, on the first CUDA call, and agreed by every rank (`_triton_usable`); a fallback is
@@ -33,7 +36,7 @@ from torch import Tensor, nn
 from vtrain.dist import all_true as _all_true  # module-level name: tests/models/test_msda.py stands in for the ranks' verdict
 from vtrain.models.lean import autocast_input, remat, remat_in_checkpoint
 
-IMPLS = ("auto", "triton", "pytorch")
+IMPLS = ("auto", "triton", "pytorch", "gather")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Triton's own floor for NVIDIA GPUs, and the first architecture with bf16 arithmetic and the tiling the kernels
 # were checked for (docs/msda_roofline.md §4).
@@ -48,10 +51,11 @@ _log = logging.getLogger(__name__)
 def auto_impl(impl: str) -> Iterator[None]:
     """Make `impl="auto"` mean `impl` inside the block, on every thread (the backward of checkpointed blocks
     recomputes the forward on the autograd engine's threads). The memory estimator traces a CUDA run on fake
-    CPU tensors, where `auto` would otherwise pick the PyTorch path."""
+    CPU tensors, where `auto` would otherwise pick the PyTorch path; `vtrain export` traces the model with an
+    exportable path (`pytorch` or `gather`) whatever the device."""
     global _auto_override
-    if impl not in ("triton", "pytorch"):
-        raise ValueError(f"auto_impl: choose 'triton' or 'pytorch', got {impl!r}")
+    if impl not in ("triton", "pytorch", "gather"):
+        raise ValueError(f"auto_impl: choose 'triton', 'pytorch' or 'gather', got {impl!r}")
     saved, _auto_override = _auto_override, impl
     try:
         yield
@@ -92,17 +96,21 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Sequence[tuple[int, int]], sam
     attention_weights: (B, Q, M, L, P), softmax-normalised over L*P by the caller.
     Returns (B, Q, M*D) in value's dtype, computed in fp32 (fp64 for fp64 inputs on the PyTorch path).
     """
-    shapes = [int(x) for hw in spatial_shapes for x in hw]
     loc, attn = sampling_locations, attention_weights
     if value.dim() != 4 or loc.dim() != 6 or loc.shape[-1] != 2 or (loc.shape[0], loc.shape[2]) != \
             (value.shape[0], value.shape[2]) or attn.shape != loc.shape[:-1]:
         raise ValueError(f"ms_deform_attn: expected value (B, S, M, D), locations (B, Q, M, L, P, 2) and weights "
                          f"(B, Q, M, L, P), got {tuple(value.shape)}, {tuple(loc.shape)}, {tuple(attn.shape)}")
-    if len(shapes) != 2 * loc.shape[3] or sum(h * w for h, w in zip(shapes[0::2], shapes[1::2])) != value.shape[1]:
+    # the level sizes may be symbolic (torch.export with a dynamic image size, tools/export.py): the check below
+    # holds for every size, so it adds no guard, and only the Triton op needs them as plain ints
+    if len(spatial_shapes) != loc.shape[3] or sum(h * w for h, w in spatial_shapes) != value.shape[1]:
         raise ValueError(f"ms_deform_attn: spatial_shapes {list(spatial_shapes)} do not match value "
                          f"{tuple(value.shape)} and {loc.shape[3]} levels of locations")
-    if resolve_impl(impl, value, loc, attn) == "triton":
-        return torch.ops.vtrain.ms_deform_attn(value, shapes, loc, attn)
+    chosen = resolve_impl(impl, value, loc, attn)
+    if chosen == "triton":
+        return torch.ops.vtrain.ms_deform_attn(value, [int(x) for hw in spatial_shapes for x in hw], loc, attn)
+    if chosen == "gather":
+        return ms_deform_attn_gather(value, spatial_shapes, loc, attn)
     return ms_deform_attn_pytorch(value, spatial_shapes, loc, attn)
 
 
@@ -129,6 +137,43 @@ def ms_deform_attn_pytorch(value: Tensor, spatial_shapes: Sequence[tuple[int, in
             wl = weights[:, :, :, lvl].transpose(1, 2).reshape(b * heads, 1, q, points)
             out = out + (sampled * wl).sum(-1)
         return out.view(b, heads * dim, q).transpose(1, 2).contiguous().to(value.dtype)
+
+
+def ms_deform_attn_gather(value: Tensor, spatial_shapes: Sequence[tuple[int, int]], sampling_locations: Tensor,
+                          attention_weights: Tensor) -> Tensor:
+    """The reference's values without `grid_sample`: per level, the 4 neighbours of every sample are gathered from
+    the flattened map by index (`torch.gather`), weighted bilinearly and by the attention weight, and summed.
+    The convention is the CUDA op's and grid_sample's (align_corners=False, zeros padding): x = loc_x * w - 0.5,
+    a neighbour outside the map adds nothing (docs/msda_kernels.md §1.2). Level sizes may be symbolic (a dynamic
+    image size under torch.export): they enter as tensor arithmetic, never as Python branches."""
+    b, _, heads, dim = value.shape
+    _, q, _, _, points, _ = sampling_locations.shape
+    wide = any(t.dtype == torch.float64 for t in (value, sampling_locations, attention_weights))
+    compute = torch.float64 if wide else torch.float32
+    with torch.autocast(device_type=value.device.type, enabled=False):
+        v_all = value.to(compute)
+        # (B, Q, M, L, P, 2) -> (B, M, L, Q*P, 2), and the weights alike: one row of samples per (image, head)
+        loc = sampling_locations.to(compute).permute(0, 2, 3, 1, 4, 5).reshape(b, heads, -1, q * points, 2)
+        weights = attention_weights.to(compute).permute(0, 2, 3, 1, 4).reshape(b, heads, -1, q * points)
+        out = v_all.new_zeros(b * heads, q * points, dim)
+        start = 0
+        for lvl, (h, w) in enumerate(spatial_shapes):
+            v = v_all[:, start:start + h * w].permute(0, 2, 1, 3).reshape(b * heads, h * w, dim)
+            start = start + h * w
+            x = loc[:, :, lvl, :, 0].reshape(b * heads, -1) * w - 0.5
+            y = loc[:, :, lvl, :, 1].reshape(b * heads, -1) * h - 0.5
+            a = weights[:, :, lvl].reshape(b * heads, -1)
+            x0, y0 = x.floor(), y.floor()
+            fx, fy = x - x0, y - y0
+            for dy, dx, corner in ((0, 0, (1 - fy) * (1 - fx)), (0, 1, (1 - fy) * fx), (1, 0, fy * (1 - fx)),
+                                   (1, 1, fy * fx)):
+                xi, yi = x0 + dx, y0 + dy
+                inside = (xi >= 0) & (xi <= w - 1) & (yi >= 0) & (yi <= h - 1)
+                index = (yi.clamp(0, h - 1) * w + xi.clamp(0, w - 1)).long()
+                picked = torch.gather(v, 1, index[..., None].expand(-1, -1, dim))  # (B*M, Q*P, D)
+                out = out + picked * (corner * a * inside.to(compute))[..., None]
+        out = out.view(b, heads, q, points, dim).sum(3)  # the points of each query
+        return out.permute(0, 2, 1, 3).reshape(b, q, heads * dim).to(value.dtype)
 
 
 # ---- impl="auto" on a GPU: can the Triton kernels run here? -------------------------------------------------------
@@ -261,6 +306,16 @@ def _backward(ctx, grad_out: Tensor):
 _op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _level_sizes(spatial_shapes: Sequence[tuple[int, int]], device: torch.device) -> Tensor:
+    """(L, 2) fp32 (w, h) of each level. Symbolic sizes (torch.export with a dynamic image size) are made into
+    tensors in the graph rather than read as constants (`torch.tensor` would bake the traced sizes in)."""
+    if all(isinstance(x, int) for hw in spatial_shapes for x in hw):
+        return torch.tensor([[w, h] for h, w in spatial_shapes], dtype=torch.float32, device=device)
+    return torch.stack([torch.stack([torch.full((), w, dtype=torch.float32, device=device),
+                                     torch.full((), h, dtype=torch.float32, device=device)])
+                        for h, w in spatial_shapes])
+
+
 # ---- the module ------------------------------------------------------------------------------------------------
 HEAD_CHUNK = 4  # heads sampled per call of the op (MSDeformAttn.forward)
 
@@ -360,6 +415,6 @@ class MSDeformAttn(nn.Module):
         # fp32 reference points promote the (possibly bf16) offsets: the locations are fp32 without a copy
         if ref.shape[-1] == 2:
             # offsets are in pixels of each level: normalise by (w, h)
-            norm = torch.tensor([[w, h] for h, w in spatial_shapes], dtype=torch.float32, device=ref.device)
+            norm = _level_sizes(spatial_shapes, ref.device)
             return ref[:, :, None, :, None, :] + offsets / norm[None, None, None, :, None, :]
         return ref[:, :, None, :, None, :2] + offsets / self.points * ref[:, :, None, :, None, 2:] * 0.5
