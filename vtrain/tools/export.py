@@ -40,10 +40,12 @@ from vtrain import guarded
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine.logging import console
 from vtrain.errors import VtrainError
+from vtrain.models.dino.msda_onnx import LOWERINGS
 from vtrain.tasks.dino import chosen_test_sizes
 from vtrain.tools.evaluate import checkpoint_task, load_model
 from vtrain.tools import export_detection as det
-from vtrain.tools.export_detection import MSDA_PATHS, TOP_K, session
+from vtrain.tools.export_detection import TOP_K
+from vtrain.tools.onnx_detector import session
 
 OPSET = 18
 INPUT, OUTPUT = "input", "embedding"
@@ -96,8 +98,8 @@ def export_onnx(checkpoint: str | Path, out: str | Path, opset: int = OPSET, ver
     out = Path(out)
     if out.suffix != ".onnx":
         raise VtrainError(f"output {out}: the file name must end in .onnx")
-    if msda is not None and msda not in MSDA_PATHS:
-        raise VtrainError(f"--msda: choose {' or '.join(MSDA_PATHS)}, got {msda!r}")
+    if msda is not None and msda not in LOWERINGS:
+        raise VtrainError(f"--msda: choose {' or '.join(LOWERINGS)}, got {msda!r}")
     if top_k is not None and not 1 <= top_k <= 100_000:
         raise VtrainError(f"--top-k: must be in 1..100000, got {top_k}")
     if raw and top_k is not None:

@@ -1,5 +1,5 @@
 """`vtrain export` of a DINO checkpoint: the detector as one ONNX graph with a dynamic batch and image size, checked
-with onnxruntime against PyTorch; and `OnnxDetector`, which runs such a file for `vtrain predict --onnx`.
+with onnxruntime against PyTorch (tools/onnx_detector.py runs such a file for `vtrain predict --onnx`).
 
 The graph (`DetectorGraph`):
 - inputs `images`: float32 N x 3 x H x W, RGB, normalised as training does ((x / 255 - mean) / std, ImageNet
@@ -17,10 +17,11 @@ The graph (`DetectorGraph`):
   masks, the level shapes, the sine positions, the encoder's reference points, the proposals and the number of
   queries (torch.export with symbolic H and W; models/dino code keeps symbolic sizes symbolic).
 
-Deformable attention is traced through one of the exportable paths of models/dino/msda.py, chosen for this trace
-only (`auto_impl`; training never sees it): `grid-sample` (one ONNX GridSample per level, opset >= 16) or
-`gather` (index arithmetic and GatherElements, no GridSample: for runtimes whose ONNX parser lacks it, such as
-TensorRT's; checked here with onnxruntime only).
+Deformable attention is traced as one opaque op (msda.py's `export` implementation, chosen for this trace only with
+`auto_impl`: training never sees it, nor the custom op and Triton kernels it runs) and written as one of two ONNX
+lowerings (models/dino/msda_onnx.py): `grid-sample` (one GridSample per level) or `gather` (index arithmetic and
+GatherElements, no GridSample: for runtimes whose ONNX parser lacks it, such as TensorRT's; checked here with
+onnxruntime only).
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ from vtrain.errors import VtrainError
 from vtrain.models.dino import DINO
 from vtrain.models.dino.detector import top_detections
 from vtrain.models.dino.msda import auto_impl
+from vtrain.models.dino.msda_onnx import LOWERINGS
+from vtrain.tools.onnx_detector import OUTPUTS, session
 
 INPUTS = ("images", "image_sizes")
-OUTPUTS = ("scores", "labels", "boxes")
 RAW_OUTPUTS = ("logits", "boxes")
-MSDA_PATHS = {"grid-sample": "pytorch", "gather": "gather"}  # --msda -> ms_deform_attn's impl
 TOP_K = 300  # evaluation's detections per image (docs/dino.md §1.1)
 TRACE = (2, 192, 256)  # batch, height, width of the example the export traces
 # the checks after writing: batches of 1 and 4 at two sizes, one not a multiple of 32, neither of them traced
@@ -94,13 +95,15 @@ def trace(graph: DetectorGraph, opset: int, msda: str):
     quiet = logging.getLogger("onnxscript")  # its optimizer warns of every constant it does not fold
     level = quiet.level
     quiet.setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad(), auto_impl(MSDA_PATHS[msda]):
+    # deformable attention is traced as one opaque op and written as the chosen ONNX lowering
+    lowering = {torch.ops.vtrain.ms_deform_attn_export.default: LOWERINGS[msda]}
+    with warnings.catch_warnings(), torch.no_grad(), auto_impl("export"):
         warnings.simplefilter("ignore")  # the exporter's own chatter
         try:
             return torch.onnx.export(graph, example, dynamo=True, input_names=list(INPUTS), output_names=list(outputs),
                                      dynamic_shapes={"images": {0: dynamic, 2: dynamic, 3: dynamic},
                                                      "image_sizes": {0: dynamic}},
-                                     opset_version=opset, verbose=False)
+                                     custom_translation_table=lowering, opset_version=opset, verbose=False)
         finally:
             quiet.setLevel(level)
 
@@ -286,58 +289,3 @@ def _shapes(got: list[np.ndarray], want: list[np.ndarray], where: str) -> None:
     if [g.shape for g in got] != [x.shape for x in want]:
         raise VtrainError(f"{where}: output shapes {[g.shape for g in got]}, PyTorch's {[x.shape for x in want]}; "
                           "the export is not faithful")
-
-
-def session(path: Path, what: str):
-    """An onnxruntime CPU session of `path`; a missing onnxruntime or a file it cannot load is one error line."""
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        hint = " (or pass --no-verify)" if "verify" in what else ""
-        raise VtrainError(f"{what} needs onnxruntime: pip install onnxruntime{hint}") from None
-    try:  # an onnxruntime older than the opset, a file that is not ONNX: one line, not its traceback
-        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    except Exception as e:  # onnxruntime raises its own pybind exception types
-        hint = " (a lower --opset, or --no-verify)" if "verify" in what else ""
-        raise VtrainError(f"{what}: onnxruntime {ort.__version__} cannot load {path.name}: "
-                          f"{str(e).strip().splitlines()[0][:300]}{hint}") from None
-
-
-class OnnxDetector:
-    """A file written by `vtrain export` of a detector, run with onnxruntime on evaluation's padded batches:
-    `vtrain predict --onnx`. Its metadata gives the categories, the test resize and the output convention."""
-
-    def __init__(self, path: str | Path, flag: str = "--onnx") -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise VtrainError(f"{flag}: no such file: {path}")
-        self.session = session(path, f"{flag} {path.name}")
-        meta = self.session.get_modelmeta().custom_metadata_map
-        if meta.get("vtrain.task") != "dino":
-            raise VtrainError(f"{flag}: {path} is not a detector written by `vtrain export` (its metadata has no "
-                              "vtrain.task=dino)")
-        if meta.get("output_convention") != "topk":
-            raise VtrainError(f"{flag}: {path} returns raw logits and boxes (exported with --raw); predict needs the "
-                              "top-k outputs: export it again without --raw")
-        try:
-            self.categories = json.loads(meta["categories"])
-            self.test_size = tuple(int(x) for x in meta["test_size"].split(","))
-            names = [c["name"] for c in self.categories]
-        except (KeyError, ValueError, TypeError) as e:
-            raise VtrainError(f"{flag}: {path}: unreadable vtrain metadata ({type(e).__name__}: {e})") from None
-        if len(names) < 1 or len(self.test_size) != 2:
-            raise VtrainError(f"{flag}: {path}: unreadable vtrain metadata (categories, test_size)")
-        self.path = path
-
-    def __call__(self, batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
-        """A collated batch (data/coco.py: images padded, masks True on padding, orig_size) -> per image scores,
-        labels and boxes in original pixels, as evaluation's `postprocess` gives them."""
-        masks = batch["masks"]
-        sizes = torch.stack([(~masks[:, :, 0]).sum(1), (~masks[:, 0, :]).sum(1)], 1)  # (h, w) inside the batch
-        scores, labels, boxes = self.session.run(list(OUTPUTS), {"images": batch["images"].numpy(),
-                                                                 "image_sizes": sizes.numpy()})
-        sy, sx = (batch["orig_size"].float() / sizes.float()).unbind(1)  # input pixels -> original pixels
-        scale = torch.stack([sx, sy, sx, sy], 1)[:, None]
-        boxes = torch.from_numpy(boxes) * scale
-        return [{"scores": torch.from_numpy(s), "labels": torch.from_numpy(lab), "boxes": b}
-                for s, lab, b in zip(scores, labels, boxes)]

@@ -48,7 +48,7 @@ from vtrain.models.dino import postprocess
 from vtrain.tasks.dino import chosen_test_sizes
 from vtrain.tasks.metric import flip_embeddings
 from vtrain.tools.evaluate import checkpoint_task, load_model
-from vtrain.tools.export_detection import OnnxDetector
+from vtrain.tools.onnx_detector import OnnxDetector
 
 SCORE_THRESHOLD = 0.3
 """Detection: the default score a box must reach to be drawn and kept."""

@@ -8,9 +8,10 @@
 - `pytorch`: one bilinear `grid_sample` per level (zeros padding, align_corners=False), as the reference
   fallbacks in docs/dino.md §3; the reference for the tests and the CPU path. It keeps every sampled value for
   backward (about 1.8 GB per encoder layer and image at 800x1333, 5 scales).
-- `gather`: the same bilinear sampling written with index arithmetic and `torch.gather` (no `grid_sample`): the
-  path `vtrain export --msda gather` writes into an ONNX graph for runtimes without GridSample (TensorRT's
-  ONNX parser, for one). Forward only in practice: it keeps 4 gathered corners per sample for backward.
+- `export`: the torch custom op `vtrain::ms_deform_attn_export`, the PyTorch path behind one opaque op with a fake
+  kernel: what `vtrain export` traces (symbolic level sizes pass through it untouched, and the trace does not
+  walk grid_sample's decomposition at every level), lowered to ONNX operators by msda_onnx.py (GridSample per
+  level, or gathers for runtimes without GridSample). Never used in training.
 - `auto`: Triton for CUDA tensors in fp32/bf16/fp16 when the kernels can run there, the PyTorch path otherwise
   (`auto_impl` changes that choice, for the memory estimator tracing a GPU run on CPU). Whether they can run is
   decided once per process, on the first CUDA call, and agreed by every rank (`_triton_usable`); a fallback is
@@ -36,7 +37,7 @@ from torch import Tensor, nn
 from vtrain.dist import all_true as _all_true  # module-level name: tests/models/test_msda.py stands in for the ranks' verdict
 from vtrain.models.lean import autocast_input, remat, remat_in_checkpoint
 
-IMPLS = ("auto", "triton", "pytorch", "gather")
+IMPLS = ("auto", "triton", "pytorch", "export")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Triton's own floor for NVIDIA GPUs, and the first architecture with bf16 arithmetic and the tiling the kernels
 # were checked for (docs/msda_roofline.md §4).
@@ -51,11 +52,11 @@ _log = logging.getLogger(__name__)
 def auto_impl(impl: str) -> Iterator[None]:
     """Make `impl="auto"` mean `impl` inside the block, on every thread (the backward of checkpointed blocks
     recomputes the forward on the autograd engine's threads). The memory estimator traces a CUDA run on fake
-    CPU tensors, where `auto` would otherwise pick the PyTorch path; `vtrain export` traces the model with an
-    exportable path (`pytorch` or `gather`) whatever the device."""
+    CPU tensors, where `auto` would otherwise pick the PyTorch path; `vtrain export` traces the model with the
+    op an ONNX graph carries (`export`) whatever the device."""
     global _auto_override
-    if impl not in ("triton", "pytorch", "gather"):
-        raise ValueError(f"auto_impl: choose 'triton', 'pytorch' or 'gather', got {impl!r}")
+    if impl not in ("triton", "pytorch", "export"):
+        raise ValueError(f"auto_impl: choose 'triton', 'pytorch' or 'export', got {impl!r}")
     saved, _auto_override = _auto_override, impl
     try:
         yield
@@ -109,8 +110,8 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Sequence[tuple[int, int]], sam
     chosen = resolve_impl(impl, value, loc, attn)
     if chosen == "triton":
         return torch.ops.vtrain.ms_deform_attn(value, [int(x) for hw in spatial_shapes for x in hw], loc, attn)
-    if chosen == "gather":
-        return ms_deform_attn_gather(value, spatial_shapes, loc, attn)
+    if chosen == "export":
+        return torch.ops.vtrain.ms_deform_attn_export(value, [x for hw in spatial_shapes for x in hw], loc, attn)
     return ms_deform_attn_pytorch(value, spatial_shapes, loc, attn)
 
 
@@ -137,43 +138,6 @@ def ms_deform_attn_pytorch(value: Tensor, spatial_shapes: Sequence[tuple[int, in
             wl = weights[:, :, :, lvl].transpose(1, 2).reshape(b * heads, 1, q, points)
             out = out + (sampled * wl).sum(-1)
         return out.view(b, heads * dim, q).transpose(1, 2).contiguous().to(value.dtype)
-
-
-def ms_deform_attn_gather(value: Tensor, spatial_shapes: Sequence[tuple[int, int]], sampling_locations: Tensor,
-                          attention_weights: Tensor) -> Tensor:
-    """The reference's values without `grid_sample`: per level, the 4 neighbours of every sample are gathered from
-    the flattened map by index (`torch.gather`), weighted bilinearly and by the attention weight, and summed.
-    The convention is the CUDA op's and grid_sample's (align_corners=False, zeros padding): x = loc_x * w - 0.5,
-    a neighbour outside the map adds nothing (docs/msda_kernels.md §1.2). Level sizes may be symbolic (a dynamic
-    image size under torch.export): they enter as tensor arithmetic, never as Python branches."""
-    b, _, heads, dim = value.shape
-    _, q, _, _, points, _ = sampling_locations.shape
-    wide = any(t.dtype == torch.float64 for t in (value, sampling_locations, attention_weights))
-    compute = torch.float64 if wide else torch.float32
-    with torch.autocast(device_type=value.device.type, enabled=False):
-        v_all = value.to(compute)
-        # (B, Q, M, L, P, 2) -> (B, M, L, Q*P, 2), and the weights alike: one row of samples per (image, head)
-        loc = sampling_locations.to(compute).permute(0, 2, 3, 1, 4, 5).reshape(b, heads, -1, q * points, 2)
-        weights = attention_weights.to(compute).permute(0, 2, 3, 1, 4).reshape(b, heads, -1, q * points)
-        out = v_all.new_zeros(b * heads, q * points, dim)
-        start = 0
-        for lvl, (h, w) in enumerate(spatial_shapes):
-            v = v_all[:, start:start + h * w].permute(0, 2, 1, 3).reshape(b * heads, h * w, dim)
-            start = start + h * w
-            x = loc[:, :, lvl, :, 0].reshape(b * heads, -1) * w - 0.5
-            y = loc[:, :, lvl, :, 1].reshape(b * heads, -1) * h - 0.5
-            a = weights[:, :, lvl].reshape(b * heads, -1)
-            x0, y0 = x.floor(), y.floor()
-            fx, fy = x - x0, y - y0
-            for dy, dx, corner in ((0, 0, (1 - fy) * (1 - fx)), (0, 1, (1 - fy) * fx), (1, 0, fy * (1 - fx)),
-                                   (1, 1, fy * fx)):
-                xi, yi = x0 + dx, y0 + dy
-                inside = (xi >= 0) & (xi <= w - 1) & (yi >= 0) & (yi <= h - 1)
-                index = (yi.clamp(0, h - 1) * w + xi.clamp(0, w - 1)).long()
-                picked = torch.gather(v, 1, index[..., None].expand(-1, -1, dim))  # (B*M, Q*P, D)
-                out = out + picked * (corner * a * inside.to(compute))[..., None]
-        out = out.view(b, heads, q, points, dim).sum(3)  # the points of each query
-        return out.permute(0, 2, 1, 3).reshape(b, q, heads * dim).to(value.dtype)
 
 
 # ---- impl="auto" on a GPU: can the Triton kernels run here? -------------------------------------------------------
@@ -314,6 +278,21 @@ def _level_sizes(spatial_shapes: Sequence[tuple[int, int]], device: torch.device
     return torch.stack([torch.stack([torch.full((), w, dtype=torch.float32, device=device),
                                      torch.full((), h, dtype=torch.float32, device=device)])
                         for h, w in spatial_shapes])
+
+
+# ---- the op an exported graph carries (tools/export_detection.py lowers it with msda_onnx.py) -------------------
+# spatial_shapes is a SymInt[]: the sizes of a dynamic export stay symbolic
+@torch.library.custom_op("vtrain::ms_deform_attn_export", mutates_args=())
+def _export_op(value: Tensor, spatial_shapes: list[int], sampling_locations: Tensor,
+               attention_weights: Tensor) -> Tensor:
+    return ms_deform_attn_pytorch(value, list(zip(spatial_shapes[0::2], spatial_shapes[1::2])), sampling_locations,
+                                  attention_weights)
+
+
+@_export_op.register_fake
+def _export_op_fake(value, spatial_shapes, sampling_locations, attention_weights):
+    b, _, m, d = value.shape
+    return value.new_empty(b, sampling_locations.shape[1], m * d)
 
 
 # ---- the module ------------------------------------------------------------------------------------------------
