@@ -150,10 +150,11 @@ def evaluate(
 
 @app.command()
 def predict(
-    checkpoint: Annotated[Path, typer.Option(help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
     images: Annotated[list[str], typer.Option(
         help="Image file, folder (searched at any depth) or quoted glob pattern; repeat for more")],
     out: Annotated[Path, typer.Option(help="Detection: output folder; metric: the .safetensors file to write")],
+    checkpoint: Annotated[Optional[Path], typer.Option(
+        help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")] = None,
     task: Annotated[Optional[Task], typer.Option(help="Expected task (default: the checkpoint's)")] = None,
     score_threshold: Annotated[Optional[float], typer.Option(
         help="Detection: draw and keep boxes scoring at least this (default 0.3)")] = None,
@@ -169,6 +170,8 @@ def predict(
         help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
     max_size: Annotated[Optional[int], typer.Option(
         help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
+    onnx: Annotated[Optional[Path], typer.Option(
+        help="Detection: run this ONNX file of `vtrain export` with onnxruntime instead of a checkpoint")] = None,
 ) -> None:
     """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
     check_exists(checkpoint, "--checkpoint")
@@ -180,7 +183,7 @@ def predict(
         raise VtrainError("--num-workers: must be >= 0")
     report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
                          batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels,
-                         overwrite=overwrite, image_size=image_size, max_size=max_size)
+                         overwrite=overwrite, image_size=image_size, max_size=max_size, onnx=onnx)
     if report.task == "dino":
         console.print(f"{report.images} images on {report.device} at test size {report.test_size[0]}/"
                       f"{report.test_size[1]}: {report.detections} boxes with score >= {report.score_threshold}; "
@@ -246,19 +249,46 @@ def consolidate_cmd(
 
 @app.command("export")
 def export_cmd(
-    checkpoint: Annotated[Path, typer.Argument(help="Metric run dir (newest checkpoint) or checkpoints/step_N")],
+    checkpoint: Annotated[Path, typer.Argument(help="Run dir (newest checkpoint) or checkpoints/step_N: a metric or "
+                                                    "DINO checkpoint")],
     out: Annotated[Path, typer.Argument(help="Output file, e.g. model.onnx")],
     opset: Annotated[int, typer.Option(help="ONNX opset (18 up to what the installed onnx/onnxscript write)")] = 18,
-    verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on a random batch")] = True,
+    verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on inputs the export did not trace")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT (and OUT.data) when it exists (never a checkpoint's file)")] = False,
+    weights: Annotated[Optional[str], typer.Option(
+        help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
+    raw: Annotated[Optional[bool], typer.Option(
+        "--raw", help="Detection: output the raw logits and boxes of every query instead of the top-k detections")] = None,
+    msda: Annotated[Optional[str], typer.Option(
+        help="Detection: deformable attention as grid-sample (default; ONNX GridSample) or gather (no GridSample, "
+        "for TensorRT-like runtimes)")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Detection: detections per image (default 300)")] = None,
 ) -> None:
-    """Export a metric model's embedding network (backbone + neck) to ONNX with a dynamic batch axis."""
+    """Export a metric model's embedding network, or a DINO detector with a dynamic batch and image size, to ONNX."""
     check_exists(checkpoint, "CHECKPOINT")
     from vtrain.tools.export import MEAN, STD, export_onnx
 
-    r = export_onnx(checkpoint, out, opset, verify, overwrite)
-    console.print(f"exported {r.checkpoint} ({r.params:,} parameters) to {r.path}"
+    r = export_onnx(checkpoint, out, opset, verify, overwrite, weights, raw, msda, top_k)
+    console.print(f"exported {r.checkpoint} ({r.params:,} parameters, {r.weights} weights) to {r.path}"
                   + (f" + {r.path.name}.data" if r.external_data else ""), soft_wrap=True)
+    if r.task == "dino":
+        m = r.meta
+        console.print(f"inputs `images`: float32 N x 3 x H x W, RGB, (x / 255 - mean) / std (mean {m['mean']}, std "
+                      f"{m['std']}), any H, W (padded inside to a multiple of {m['pad_multiple']}); `image_sizes`: "
+                      "int64 N x 2 (height, width of each image; the rest is padding)", soft_wrap=True)
+        if m["output_convention"] == "raw":
+            console.print("outputs `logits` N x Q x C and `boxes` N x Q x 4 (cx, cy, w, h normalised to each image)",
+                          soft_wrap=True)
+        else:
+            console.print(f"outputs the top {m['top_k']} detections per image: `scores` N x K, `labels` N x K (index "
+                          f"into the {m['num_classes']} categories of the metadata), `boxes` N x K x 4 (x0, y0, x1, "
+                          "y1 in input pixels)", soft_wrap=True)
+        for c in r.checks or []:
+            unit = "" if m["output_convention"] == "raw" else " px"
+            console.print(f"onnxruntime vs PyTorch, batch {c.batch} at {c.height} x {c.width}: max diff "
+                          f"{'logits' if unit == '' else 'scores'} {c.score_diff:.1e}, boxes {c.box_diff:.1e}{unit} "
+                          f"({c.detections} compared)", soft_wrap=True)
+        return
     console.print(f"input `input`: float32 N x 3 x {r.image_size} x {r.image_size}, RGB, x / {MEAN} - 1 "
                   f"(mean {MEAN}, std {STD}); output `embedding`: N x {r.embedding_dim}, not L2-normalised",
                   soft_wrap=True)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention, window_partition, window_reverse
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from vtrain.models.lean import lean_norm, remat
 
@@ -63,7 +64,7 @@ def grouped_window_attention(attn: WindowAttention, x: torch.Tensor, masks: torc
     dropout = attn.attn_drop.p if attn.training else 0.0
     outs, start = [], 0
     for g, count in enumerate(counts):
-        if count == 0:
+        if statically_known_true(count == 0):  # a symbolic count (a dynamic export) may be 0: an empty call
             continue
         bias = rel_bias if masks is None else rel_bias + masks[g]
         end = start + count

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from timm.models.swin_transformer import PatchMerging
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from vtrain.models.lean import LeanLayerNorm, lean_norm
 
@@ -36,7 +37,9 @@ class LeanPatchMerging(PatchMerging):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, h, w, c = x.shape
-        if h % 2 or w % 2:  # timm pads always; padding nothing would copy the stage output the recipe keeps
+        # timm pads always; padding nothing would copy the stage output the recipe keeps. A symbolic size (a
+        # dynamic export) is padded by its parity in the graph, which may be 0
+        if not (statically_known_true(h % 2 == 0) and statically_known_true(w % 2 == 0)):
             x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
         return self.reduction(lean_norm(self.norm, _regroup(x), source=(_regroup, (x,))))
 
@@ -58,7 +61,7 @@ def swin_features(body: nn.Module, x: torch.Tensor, indices: list[int],
     not multiples of the patch size is padded with zeros at the bottom and right first, as the detection Swin's
     patch embedding does (docs/detection.md "The detection Swin"; vtrain's batches are multiples of 32 already)."""
     ph, pw = body.patch_embed.patch_size
-    if x.shape[-2] % ph or x.shape[-1] % pw:
+    if not (statically_known_true(x.shape[-2] % ph == 0) and statically_known_true(x.shape[-1] % pw == 0)):
         x = F.pad(x, (0, -x.shape[-1] % pw, 0, -x.shape[-2] % ph))
     x = body.patch_embed(x)
     feats = []

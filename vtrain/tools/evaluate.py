@@ -45,12 +45,12 @@ class LoadedModel:
     """Which weights were loaded: ema (ema.safetensors) or model."""
 
 
-def checkpoint_task(checkpoint: str | Path) -> str:
+def checkpoint_task(checkpoint: str | Path, flag: str = "--checkpoint") -> str:
     """The task a checkpoint was trained for (its config.yaml), without building or verifying anything (the
     loader verifies the checkpoint it loads)."""
     path = ckpt.find(checkpoint)
     if path is None:
-        raise ckpt.CheckpointError(f"--checkpoint: {checkpoint} is neither a complete checkpoint nor a run "
+        raise ckpt.CheckpointError(f"{flag}: {checkpoint} is neither a complete checkpoint nor a run "
                                    "directory with one")
     return load_run_config(path / ckpt.CONFIG).task
 

@@ -48,6 +48,7 @@ from vtrain.models.dino import postprocess
 from vtrain.tasks.dino import chosen_test_sizes
 from vtrain.tasks.metric import flip_embeddings
 from vtrain.tools.evaluate import checkpoint_task, load_model
+from vtrain.tools.onnx_detector import OnnxDetector
 
 SCORE_THRESHOLD = 0.3
 """Detection: the default score a box must reach to be drawn and kept."""
@@ -133,10 +134,13 @@ def _loader(files: list[Path], load: Callable, batch_size: int, num_workers: int
 
 
 def _batch(given: int | None, cfg) -> int:
-    """--batch-size, else the run's micro-batch (0 is refused, never taken for "not given")."""
+    """--batch-size, else the run's micro-batch, else (an ONNX file) 1; 0 is refused, never taken for "not
+    given"."""
     if given is not None and given < 1:
         raise VtrainError(f"--batch-size: must be >= 1, got {given}")
-    return cfg.train.batch_size if given is None else given
+    if given is None:
+        return 1 if cfg is None else cfg.train.batch_size
+    return given
 
 
 def _max_pixels(given: int | None, saved_data: dict[str, Any]) -> int:
@@ -169,10 +173,19 @@ def _output(out: Path, is_dir: bool) -> None:
         raise VtrainError(f"--out: {out} is a folder; give a file name such as embeddings.safetensors")
 
 
-def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: str | None = None,
-            **options: Any) -> PredictReport:
-    """Detection or embeddings, by `task` or else by the checkpoint's own task."""
+def predict(checkpoint: str | Path | None, inputs: list[str], out: str | Path, task: str | None = None,
+            onnx: str | Path | None = None, **options: Any) -> PredictReport:
+    """Detection or embeddings, by `task` or else by the checkpoint's own task; or detection by a file of `vtrain
+    export` run with onnxruntime (`onnx`, instead of a checkpoint)."""
     _max_pixels(options.get("max_pixels"), {})  # a bad limit is reported before anything is loaded
+    if onnx is not None:
+        if checkpoint is not None:
+            raise VtrainError("--onnx: give either --checkpoint or --onnx, not both")
+        if task == "metric":
+            raise VtrainError("--onnx: detectors only (an ONNX file `vtrain export` wrote from a DINO checkpoint)")
+        return predict_detection(None, inputs, out, onnx=onnx, **options)
+    if checkpoint is None:
+        raise VtrainError("--checkpoint: give the checkpoint to run (or --onnx FILE, a detector `vtrain export` wrote)")
     task = task or checkpoint_task(checkpoint)
     if task == "metric":
         for key, flag in (("ann", "--ann"), ("score_threshold", "--score-threshold"), ("image_size", "--image-size"),
@@ -184,15 +197,17 @@ def predict(checkpoint: str | Path, inputs: list[str], out: str | Path, task: st
 
 
 # ---- detection ------------------------------------------------------------------------------------------------
-def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path,
+def predict_detection(checkpoint: str | Path | None, inputs: list[str], out: str | Path,
                       score_threshold: float | None = None,
                       batch_size: int | None = None, ann: str | None = None, num_workers: int = 2,
                       max_pixels: int | None = None, overwrite: bool = False, image_size: int | None = None,
-                      max_size: int | None = None) -> PredictReport:
+                      max_size: int | None = None, onnx: str | Path | None = None) -> PredictReport:
     """Draw and write the detections of every input image (see the module docstring). `ann`: a COCO annotation
     file whose `file_name`s give the image ids (and the class names if the checkpoint has none); otherwise the
     ids are 1..N in input order. `image_size` / `max_size`: the test resize instead of the run's
-    (tasks/dino.py: chosen_test_sizes)."""
+    (tasks/dino.py: chosen_test_sizes). `onnx`: a detector file of `vtrain export` instead of the checkpoint, run
+    with onnxruntime on the same batches (its metadata gives the categories and the test resize; the default
+    batch size is 1)."""
     score_threshold = SCORE_THRESHOLD if score_threshold is None else score_threshold
     if not 0.0 <= score_threshold <= 1.0:
         raise VtrainError(f"--score-threshold: must be in [0, 1], got {score_threshold}")
@@ -208,28 +223,34 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
     coco = load_coco(ann) if ann else None
     image_ids = _image_ids(names, coco, ann) if coco is not None else list(range(1, len(names) + 1))
 
-    loaded = load_model(checkpoint, "dino")
-    model, device = loaded.model, loaded.device
-    categories = loaded.categories or (
+    if onnx is None:
+        loaded = load_model(checkpoint, "dino")
+        device, known, num_classes, saved = loaded.device, loaded.categories, loaded.model.num_classes, \
+            loaded.saved_data
+        run_size = (loaded.cfg.model.image_size, saved.get("max_size"))
+        detect = _TorchDetector(loaded.model, device, loaded.cfg.model.clip_boxes)
+        batch_size, source = _batch(batch_size, loaded.cfg), loaded.path
+    else:
+        detect = OnnxDetector(onnx)
+        device, known, num_classes, saved = torch.device("cpu"), detect.categories, len(detect.categories), {}
+        run_size = detect.test_size
+        batch_size, source = _batch(batch_size, None), detect.path
+    categories = known or (
         [{"id": c, "name": coco.cats[c].get("name", str(c))} for c in sorted(coco.getCatIds())] if coco else None)
     if categories is None:  # a checkpoint written before categories.json existed, and no --ann
-        categories = [{"id": i, "name": f"class {i}"} for i in range(model.num_classes)]
-    if len(categories) != model.num_classes:
-        raise VtrainError(f"the model has {model.num_classes} classes but {len(categories)} categories are known "
-                          f"({'--ann ' + str(ann) if not loaded.categories else loaded.path})")
+        categories = [{"id": i, "name": f"class {i}"} for i in range(num_classes)]
+    if len(categories) != num_classes:
+        raise VtrainError(f"the model has {num_classes} classes but {len(categories)} categories are known "
+                          f"({'--ann ' + str(ann) if not known else source})")
     cat_ids = [c["id"] for c in categories]
-    size, max_size = chosen_test_sizes(image_size, max_size, loaded.cfg.model.image_size,
-                                       loaded.saved_data.get("max_size"))
-    load = _DetectionInput(test_transforms(size, max_size), _max_pixels(max_pixels, loaded.saved_data))
-    loader = _loader([f for f, _ in found], load, _batch(batch_size, loaded.cfg), num_workers,
-                     _collate_with_originals, device)
+    size, max_size = chosen_test_sizes(image_size, max_size, *run_size)
+    load = _DetectionInput(test_transforms(size, max_size), _max_pixels(max_pixels, saved))
+    loader = _loader([f for f, _ in found], load, batch_size, num_workers, _collate_with_originals, device)
     dets: list[dict[str, Any]] = []
     kept = 0
     with torch.no_grad():
         for batch in _batches(loader, _progress(len(found), "predict")):
-            res = model(images=batch["images"].to(device), masks=batch["masks"].to(device))
-            results = postprocess(res["pred_logits"], res["pred_boxes"], batch["orig_size"].to(device),
-                                  clip=loaded.cfg.model.clip_boxes)
+            results = detect(batch)
             for i, original, r in zip(batch["index"].tolist(), batch["original"], results):
                 keep = r["scores"] >= score_threshold
                 boxes, scores, labels = (r[k][keep].cpu() for k in ("boxes", "scores", "labels"))
@@ -243,6 +264,18 @@ def predict_detection(checkpoint: str | Path, inputs: list[str], out: str | Path
     write_json_atomic(out / "predictions.json", dets)
     return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device), score_threshold,
                          (size, max_size))
+
+
+class _TorchDetector:
+    """The checkpoint's model on a collated batch: evaluation's forward and post-processing, boxes in original
+    pixels."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, clip: bool) -> None:
+        self.model, self.device, self.clip = model, device, clip
+
+    def __call__(self, batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+        res = self.model(images=batch["images"].to(self.device), masks=batch["masks"].to(self.device))
+        return postprocess(res["pred_logits"], res["pred_boxes"], batch["orig_size"].to(self.device), clip=self.clip)
 
 
 class _DetectionInput:

@@ -195,16 +195,17 @@ class DINO(nn.Module):
         Returns the anchors as logits (inf where padded/out of range) and a validity mask."""
         props = []
         start = 0
+        b = memory.shape[0]  # every view spelt out: a -1 costs torch.export a division of symbolic sizes
         for lvl, (h, w) in enumerate(shapes):
-            m = mask[:, start:start + h * w].view(-1, h, w)
+            m = mask[:, start:start + h * w].view(b, h, w)
             valid_h = (~m[:, :, 0]).sum(1)
             valid_w = (~m[:, 0, :]).sum(1)
             ys, xs = torch.meshgrid(torch.arange(h, device=memory.device), torch.arange(w, device=memory.device),
                                     indexing="ij")
-            scale = torch.stack([valid_w, valid_h], -1).float().view(-1, 1, 1, 2)
+            scale = torch.stack([valid_w, valid_h], -1).float().view(b, 1, 1, 2)
             grid = (torch.stack([xs, ys], -1).float()[None] + 0.5) / scale
             wh = torch.full_like(grid, 0.05 * 2.0**lvl)
-            props.append(torch.cat([grid, wh], -1).view(memory.shape[0], -1, 4))
+            props.append(torch.cat([grid, wh], -1).view(b, h * w, 4))
             start += h * w
         props = torch.cat(props, 1)
         valid = ((props > 0.01) & (props < 0.99)).all(-1) & ~mask
@@ -216,6 +217,16 @@ class DINO(nn.Module):
 
     def _proposal_logits(self, memory: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         return self.cls_heads[-1](self._proposal_embed(memory, valid))
+
+    @torch.no_grad()
+    def _selection_scores(self, memory: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """(B, S) the score each encoder token is ranked by for the top-k query selection: its best class logit
+        (-inf where invalid, with mask_invalid_proposals). The rank decides which learned content query a token
+        is paired with (tools/export_detection.py checks exports on inputs without near-equal scores here)."""
+        score = self._proposal_logits(memory, valid).float().max(-1)[0]
+        if self.options.mask_invalid_proposals:
+            score = score.masked_fill(~valid, float("-inf"))
+        return score
 
     def forward(self, images: torch.Tensor, masks: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 boxes: torch.Tensor | None = None, num_targets: torch.Tensor | None = None) -> dict:
@@ -234,11 +245,8 @@ class DINO(nn.Module):
         # scored, but a loss reaches only the k chosen ones: the proposal heads run again, with gradients, on those
         # k rows alone, so backward keeps k rows instead of every token's (about 0.6 GiB at 800x1333, batch 2)
         anchors, valid = self._proposals(memory, mask, shapes)
-        k = min(self.num_queries, memory.shape[1])
-        with torch.no_grad():
-            score = self._proposal_logits(memory, valid).float().max(-1)[0]
-            if self.options.mask_invalid_proposals:
-                score = score.masked_fill(~valid, float("-inf"))
+        k = torch.sym_min(self.num_queries, memory.shape[1])  # symbolic under a dynamic export: min in the graph
+        score = self._selection_scores(memory, valid)
         topk = score.topk(k, dim=1)[1]
         rows = topk[..., None]
         chosen = memory.gather(1, rows.expand(-1, -1, memory.shape[-1]))
@@ -287,18 +295,26 @@ def postprocess(pred_logits: torch.Tensor, pred_boxes: torch.Tensor, orig_sizes:
     """Top-k (query, class) pairs by sigmoid score per image (test_cfg.max_per_img=300, docs/dino.md §1.1); boxes
     as xyxy in original image pixels (orig_sizes: (B, 2) as (h, w)), clipped to the image if `clip`
     (DinoOptions.clip_boxes)."""
+    scores, labels, boxes = top_detections(pred_logits, pred_boxes, orig_sizes, top_k, clip)
+    return [{"scores": s, "labels": lab, "boxes": bx} for s, lab, bx in zip(scores, labels, boxes)]
+
+
+def top_detections(pred_logits: torch.Tensor, pred_boxes: torch.Tensor, sizes: torch.Tensor, top_k: int = 300,
+                   clip: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`postprocess` as batched tensors, (B, k) scores, (B, k) labels, (B, k, 4) xyxy boxes scaled by `sizes` (B, 2)
+    as (h, w), with k = min(top_k, queries x classes): what an exported graph computes in place of the list."""
     b, q, c = pred_logits.shape
     prob = pred_logits.float().sigmoid().view(b, -1)
-    k = min(top_k, q * c)
+    k = torch.sym_min(top_k, q * c)  # symbolic under a dynamic export (few proposals on a small image)
     scores, idx = prob.topk(k, dim=1)
     labels = idx % c
     boxes = box_convert(pred_boxes.float(), "cxcywh", "xyxy").gather(1, (idx // c)[..., None].expand(-1, -1, 4))
-    h, w = orig_sizes.float().unbind(1)
+    h, w = sizes.float().unbind(1)
     scale = torch.stack([w, h, w, h], 1)[:, None]
     boxes = boxes * scale
     if clip:
         boxes = torch.minimum(boxes.clamp(min=0), scale)
-    return [{"scores": s, "labels": lab, "boxes": bx} for s, lab, bx in zip(scores, labels, boxes)]
+    return scores, labels, boxes
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

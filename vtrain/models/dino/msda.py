@@ -8,6 +8,10 @@
 - `pytorch`: one bilinear `grid_sample` per level (zeros padding, align_corners=False), as the reference
   fallbacks in docs/dino.md §3; the reference for the tests and the CPU path. It keeps every sampled value for
   backward (about 1.8 GB per encoder layer and image at 800x1333, 5 scales).
+- `export`: the torch custom op `vtrain::ms_deform_attn_export`, the PyTorch path behind one opaque op with a fake
+  kernel: what `vtrain export` traces (symbolic level sizes pass through it untouched, and the trace does not
+  walk grid_sample's decomposition at every level), lowered to ONNX operators by msda_onnx.py (GridSample per
+  level, or gathers for runtimes without GridSample). Never used in training.
 - `auto`: Triton for CUDA tensors in fp32/bf16/fp16 when the kernels can run there, the PyTorch path otherwise
   (`auto_impl` changes that choice, for the memory estimator tracing a GPU run on CPU). Whether they can run is
   decided once per process, on the first CUDA call, and agreed by every rank (`_triton_usable`); a fallback is
@@ -33,7 +37,7 @@ from torch import Tensor, nn
 from vtrain.dist import all_true as _all_true  # module-level name: tests/models/test_msda.py stands in for the ranks' verdict
 from vtrain.models.lean import autocast_input, remat, remat_in_checkpoint
 
-IMPLS = ("auto", "triton", "pytorch")
+IMPLS = ("auto", "triton", "pytorch", "export")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Triton's own floor for NVIDIA GPUs, and the first architecture with bf16 arithmetic and the tiling the kernels
 # were checked for (docs/msda_roofline.md §4).
@@ -48,10 +52,11 @@ _log = logging.getLogger(__name__)
 def auto_impl(impl: str) -> Iterator[None]:
     """Make `impl="auto"` mean `impl` inside the block, on every thread (the backward of checkpointed blocks
     recomputes the forward on the autograd engine's threads). The memory estimator traces a CUDA run on fake
-    CPU tensors, where `auto` would otherwise pick the PyTorch path."""
+    CPU tensors, where `auto` would otherwise pick the PyTorch path; `vtrain export` traces the model with the
+    op an ONNX graph carries (`export`) whatever the device."""
     global _auto_override
-    if impl not in ("triton", "pytorch"):
-        raise ValueError(f"auto_impl: choose 'triton' or 'pytorch', got {impl!r}")
+    if impl not in ("triton", "pytorch", "export"):
+        raise ValueError(f"auto_impl: choose 'triton', 'pytorch' or 'export', got {impl!r}")
     saved, _auto_override = _auto_override, impl
     try:
         yield
@@ -92,17 +97,21 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Sequence[tuple[int, int]], sam
     attention_weights: (B, Q, M, L, P), softmax-normalised over L*P by the caller.
     Returns (B, Q, M*D) in value's dtype, computed in fp32 (fp64 for fp64 inputs on the PyTorch path).
     """
-    shapes = [int(x) for hw in spatial_shapes for x in hw]
     loc, attn = sampling_locations, attention_weights
     if value.dim() != 4 or loc.dim() != 6 or loc.shape[-1] != 2 or (loc.shape[0], loc.shape[2]) != \
             (value.shape[0], value.shape[2]) or attn.shape != loc.shape[:-1]:
         raise ValueError(f"ms_deform_attn: expected value (B, S, M, D), locations (B, Q, M, L, P, 2) and weights "
                          f"(B, Q, M, L, P), got {tuple(value.shape)}, {tuple(loc.shape)}, {tuple(attn.shape)}")
-    if len(shapes) != 2 * loc.shape[3] or sum(h * w for h, w in zip(shapes[0::2], shapes[1::2])) != value.shape[1]:
+    # the level sizes may be symbolic (torch.export with a dynamic image size, tools/export.py): the check below
+    # holds for every size, so it adds no guard, and only the Triton op needs them as plain ints
+    if len(spatial_shapes) != loc.shape[3] or sum(h * w for h, w in spatial_shapes) != value.shape[1]:
         raise ValueError(f"ms_deform_attn: spatial_shapes {list(spatial_shapes)} do not match value "
                          f"{tuple(value.shape)} and {loc.shape[3]} levels of locations")
-    if resolve_impl(impl, value, loc, attn) == "triton":
-        return torch.ops.vtrain.ms_deform_attn(value, shapes, loc, attn)
+    chosen = resolve_impl(impl, value, loc, attn)
+    if chosen == "triton":
+        return torch.ops.vtrain.ms_deform_attn(value, [int(x) for hw in spatial_shapes for x in hw], loc, attn)
+    if chosen == "export":
+        return torch.ops.vtrain.ms_deform_attn_export(value, [x for hw in spatial_shapes for x in hw], loc, attn)
     return ms_deform_attn_pytorch(value, spatial_shapes, loc, attn)
 
 
@@ -261,6 +270,31 @@ def _backward(ctx, grad_out: Tensor):
 _op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _level_sizes(spatial_shapes: Sequence[tuple[int, int]], device: torch.device) -> Tensor:
+    """(L, 2) fp32 (w, h) of each level. Symbolic sizes (torch.export with a dynamic image size) are made into
+    tensors in the graph rather than read as constants (`torch.tensor` would bake the traced sizes in)."""
+    if all(isinstance(x, int) for hw in spatial_shapes for x in hw):
+        return torch.tensor([[w, h] for h, w in spatial_shapes], dtype=torch.float32, device=device)
+    return torch.stack([torch.stack([torch.full((), w, dtype=torch.float32, device=device),
+                                     torch.full((), h, dtype=torch.float32, device=device)])
+                        for h, w in spatial_shapes])
+
+
+# ---- the op an exported graph carries (tools/export_detection.py lowers it with msda_onnx.py) -------------------
+# spatial_shapes is a SymInt[]: the sizes of a dynamic export stay symbolic
+@torch.library.custom_op("vtrain::ms_deform_attn_export", mutates_args=())
+def _export_op(value: Tensor, spatial_shapes: list[int], sampling_locations: Tensor,
+               attention_weights: Tensor) -> Tensor:
+    return ms_deform_attn_pytorch(value, list(zip(spatial_shapes[0::2], spatial_shapes[1::2])), sampling_locations,
+                                  attention_weights)
+
+
+@_export_op.register_fake
+def _export_op_fake(value, spatial_shapes, sampling_locations, attention_weights):
+    b, _, m, d = value.shape
+    return value.new_empty(b, sampling_locations.shape[1], m * d)
+
+
 # ---- the module ------------------------------------------------------------------------------------------------
 HEAD_CHUNK = 4  # heads sampled per call of the op (MSDeformAttn.forward)
 
@@ -360,6 +394,6 @@ class MSDeformAttn(nn.Module):
         # fp32 reference points promote the (possibly bf16) offsets: the locations are fp32 without a copy
         if ref.shape[-1] == 2:
             # offsets are in pixels of each level: normalise by (w, h)
-            norm = torch.tensor([[w, h] for h, w in spatial_shapes], dtype=torch.float32, device=ref.device)
+            norm = _level_sizes(spatial_shapes, ref.device)
             return ref[:, :, None, :, None, :] + offsets / norm[None, None, None, :, None, :]
         return ref[:, :, None, :, None, :2] + offsets / self.points * ref[:, :, None, :, None, 2:] * 0.5

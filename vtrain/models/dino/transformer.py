@@ -35,8 +35,10 @@ def sine_position_2d(mask: torch.Tensor, num_feats: int, temperature: float = 20
     x = not_mask.cumsum(2)
     if normalize:
         eps, scale = 1e-6, 2 * math.pi
-        y = (y + offset) / (y[:, -1:, :] + eps) * scale
-        x = (x + offset) / (x[:, :, -1:] + eps) * scale
+        # the last row and column as (B, 1, W) and (B, H, 1): an index, not a slice `-1:`, whose size torch.export
+        # cannot tell is 1 for a symbolic H (a dynamic export)
+        y = (y + offset) / (y[:, -1].unsqueeze(1) + eps) * scale
+        x = (x + offset) / (x[:, :, -1].unsqueeze(2) + eps) * scale
     dim_t = torch.arange(num_feats, dtype=torch.float32, device=mask.device)
     dim_t = temperature ** (2 * (dim_t // 2) / num_feats)
     px = x[..., None] / dim_t
@@ -70,11 +72,19 @@ class LevelPositions:
                  sine: tuple[float, float, bool] = (20.0, 0.0, True)) -> None:
         self.masks, self.level_embed, self.dtype = masks, level_embed, dtype
         self.sine = sine  # (temperature, offset, normalize) of sine_position_2d
+        self.made: torch.Tensor | None = None
 
     def __call__(self) -> torch.Tensor:
+        if self.made is not None:
+            return self.made
         feats = self.level_embed.shape[1] // 2
-        return torch.cat([sine_position_2d(m, feats, *self.sine).to(self.dtype).flatten(2).transpose(1, 2)
-                          + self.level_embed[lvl].to(self.dtype) for lvl, m in enumerate(self.masks)], 1)
+        pos = torch.cat([sine_position_2d(m, feats, *self.sine).to(self.dtype).flatten(2).transpose(1, 2)
+                         + self.level_embed[lvl].to(self.dtype) for lvl, m in enumerate(self.masks)], 1)
+        if not torch.is_grad_enabled():
+            # inference (eval, predict, export) keeps nothing for backward: made once for every layer (and traced
+            # once into an exported graph), the same values
+            self.made = pos
+        return pos
 
 
 class MLP(nn.Module):
@@ -182,9 +192,11 @@ class Encoder(_Layers):
         """Pixel centres of every level, normalised to the valid region, then mapped into each level:
         (B, S, L, 2)."""
         refs = []
+        like = {"dtype": torch.float32, "device": valid_ratios.device}
         for lvl, (h, w) in enumerate(spatial_shapes):
-            ys, xs = torch.meshgrid(torch.linspace(0.5, h - 0.5, h, device=valid_ratios.device),
-                                    torch.linspace(0.5, w - 0.5, w, device=valid_ratios.device), indexing="ij")
+            # i + 0.5 (what linspace(0.5, h - 0.5, h) gives, exactly): arange keeps a symbolic h of a dynamic
+            # export in the graph, where linspace would bake the traced size in
+            ys, xs = torch.meshgrid(torch.arange(h, **like) + 0.5, torch.arange(w, **like) + 0.5, indexing="ij")
             ys = ys.reshape(1, -1) / (valid_ratios[:, None, lvl, 1] * h)
             xs = xs.reshape(1, -1) / (valid_ratios[:, None, lvl, 0] * w)
             refs.append(torch.stack([xs, ys], -1))
