@@ -85,6 +85,7 @@ def convert(src: str | Path, out: str | Path, source: str, preset: str | None = 
         raise VtrainError(f"--from: unknown source {source!r}; choose one of {', '.join(SOURCES)}")
     spec = SOURCES[source]
     replaced = claim(out, overwrite)
+    guarded.check_not_input([], [guarded.Read("SRC", src)], "OUT", replaced=[out] if replaced else [])
     if not src.is_file():
         raise VtrainError(f"SRC: {src} is not a file")
     whole = load_published(src)
