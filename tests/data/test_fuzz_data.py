@@ -276,7 +276,20 @@ def _pack_with_a_length_of_4_gb(root: Path) -> tuple:
     return read_bin, root / "lfw.bin"
 
 
+def _npy_header(root: Path, header: bytes) -> tuple:
+    """An identity-folder index whose labels.npy has a damaged header, opened again."""
+    tree = _tree(root / "faces")
+    labels = FaceFolder(tree, 32).index.folder / "labels.npy"
+    raw = labels.read_bytes()
+    labels.write_bytes(raw[:10] + header + raw[10 + len(header):])
+    return FaceFolder, tree, 32
+
+
 FOUND = {  # name -> (the call, its refusal or None for success)
+    "an index array whose .npy header holds NUL (numpy's parser: TokenError)":
+        (lambda root: _npy_header(root, b"\0\0"), "not a readable .npy file"),
+    "an index array whose .npy header opens brackets it never closes (TokenError)":
+        (lambda root: _npy_header(root, b"{'descr': (("), "not a readable .npy file"),
     "a .bin pack declaring a 4 GB string (3.8 GiB allocated)": (_pack_with_a_length_of_4_gb,
                                                                 "expected 4053075072 bytes"),
     "a pairs file that is not UTF-8 (UnicodeDecodeError)": (_pairs_not_utf8, None),

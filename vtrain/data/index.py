@@ -117,8 +117,10 @@ class Index:
             try:
                 a = np.load(path, mmap_mode="r")
                 size = path.stat().st_size
-            except (OSError, ValueError, EOFError) as e:
-                raise self.damaged(f"{path.name}: {getattr(e, 'strerror', None) or e}") from None
+            except Exception as e:  # numpy parses a header with ast and tokenize: SyntaxError, TokenError, ...
+                what = f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"  # numpy quotes the header
+                raise self.damaged(f"{path.name}: not a readable .npy file "
+                                   f"({what if len(what) <= 160 else what[:157] + '...'})") from None
             if a.dtype.str != spec["dtype"] or list(a.shape) != spec["shape"] or \
                     size != spec["bytes"] or size != a.offset + a.nbytes:
                 raise self.damaged(f"{path.name} holds {a.dtype.str} {list(a.shape)} in {size} bytes, meta.json "
