@@ -62,13 +62,13 @@ def converted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("source", ["idea", "mmdet"])
-@pytest.mark.parametrize("form", ["run directory", "its model.safetensors"])
+@pytest.mark.parametrize("form", list(FORMS))
 def test_a_converted_run_in_every_form(converted, source, form):
     from vtrain.config import load_run_config
 
     run = converted[source]
     ckpt = run / "checkpoints" / "step_0"
-    given = run if form == "run directory" else ckpt / "model.safetensors"
+    given = FORMS[form](ckpt)
     cfg = build_config("dino", overrides={"model": {"preset": "peer-tiny", "image_size": 128,
                                                     "pretrained": str(given)}})
     assert inherit_model_options(cfg) is not None
@@ -98,10 +98,13 @@ def test_every_form_takes_the_checkpoints_model_options(runs, source, form):
     load_strict(model, load_file(str(src.weights)), "--pretrained", "does not fit")
 
 
+@pytest.mark.parametrize("where", ["--config file", "flag"])
 @pytest.mark.parametrize("form", list(FORMS))
-def test_a_value_set_to_vtrains_default_is_set(runs, form):
-    """box_eps 1e-3 is vtrain's default; given in the --config file it is the run's choice, not "unset"."""
-    cfg = _fine_tune(FORMS[form](runs["mmdet-like"]), {"model": {"box_eps": 1e-3}})
+def test_a_value_set_to_vtrains_default_is_set(runs, form, where):
+    """box_eps 1e-3 is vtrain's default; given in the --config file or as a flag it is the run's choice, not
+    "unset"."""
+    at = FORMS[form](runs["mmdet-like"])
+    cfg = _fine_tune(at, {"model": {"box_eps": 1e-3}}) if where == "--config file" else _fine_tune(at, box_eps=1e-3)
     with pytest.raises(VtrainError) as e:
         inherit_model_options(cfg)
     assert "model.box_eps: this run 0.001, the checkpoint 1e-05" in str(e.value) and "\n" not in str(e.value)
