@@ -22,28 +22,14 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 
 from vtrain import recompute
-from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, Option, build_config, options, read_yaml
+from vtrain.cli_rules import path, text, user_error
+from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, Option, config_from_flags, options  # noqa: F401
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.errors import VtrainError
-from vtrain.guarded import ENVIRONMENT_ERRNOS
 from vtrain.safeio import force_weights_only_env
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train large vision models on small GPUs (Accelerate + DeepSpeed ZeRO / FSDP2).")
-
-
-def _text(value: str) -> str:
-    """The value of a text option of the commands below: never empty or blank (`--out "$OUT"` with OUT unset passes
-    '', which would name the current directory, or leave an optional value silently unset). `train`'s options are
-    refused by the same rule in the config (config/fields.py `Section._check_text`)."""
-    if not value.strip():
-        raise typer.BadParameter(f"must not be empty, got {value!r} (an unset shell variable?)")
-    return value
-
-
-def _path(value: str) -> Path:
-    """A path option's value (`_text`'s rule: '' is not the current directory)."""
-    return Path(_text(value))
 
 
 def _choice(name: str, values: tuple[str, ...]) -> type[Enum]:
@@ -68,7 +54,7 @@ def _train_command(fn: Any) -> Any:
     """`fn(config, task, **section_flags)` with one parameter per config field that has a flag, plus --config."""
     config = inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
         Optional[Path], typer.Option(
-            parser=_path, help="YAML config, keys as in docs/options.md (a run's config.yaml too); flags "
+            parser=path, help="YAML config, keys as in docs/options.md (a run's config.yaml too); flags "
                                      "override its values")])
     params = [_train_parameter(o) for o in options() if o.flag] + [config]
     fn.__signature__ = inspect.Signature(params, return_annotation=None)
@@ -81,48 +67,35 @@ def train(**flags: Any) -> None:
     """Train a model; the same command runs on 1 CPU process, N CPU processes (gloo), GPUs and nodes."""
     # first: a SIGTERM/SIGINT that arrives while the model is being built must also lead to a checkpoint
     interrupt = GracefulInterrupt().install()
-    cfg = train_config(flags)
+    cfg = config_from_flags(flags)
     from vtrain.engine.trainer import Trainer
 
     Trainer(cfg, interrupt).fit()
 
 
-def train_config(flags: dict[str, Any]) -> Any:
-    """`vtrain train`'s config from its parsed flags (Click's values: None for a flag not given) and --config file:
-    every value checked, every path it names checked, nothing built. The fuzz lane calls it with generated values."""
-    flags = dict(flags)
-    config = flags.pop("config")
-    file_values = read_yaml(config) if config is not None else {}
-    task = flags.pop("task")
-    # unset flags (None) leave the file's values; a Click choice arrives as an Enum member
-    overrides = {section: {n: getattr(flags[n], "value", flags[n]) for n in names if flags[n] is not None}
-                 for section, names in FLAG_SECTIONS.items()}
-    return build_config(task.value if task else None, file_values, overrides)
-
-
 @app.command("eval")
 def evaluate(
     checkpoint: Annotated[Path, typer.Option(
-        parser=_path, help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
+        parser=path, help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
     task: Annotated[Optional[Task], typer.Option(help="Expected task (checked against the checkpoint)")] = None,
-    data: Annotated[Optional[str], typer.Option(parser=_text,
+    data: Annotated[Optional[str], typer.Option(parser=text,
         help="Data directory, a verification .bin pack, or `demo`; default: the run's data")] = None,
     val_data: Annotated[Optional[str], typer.Option(
-        "--val-data", parser=_text, help="Metric: held-out identity tree")] = None,
+        "--val-data", parser=text, help="Metric: held-out identity tree")] = None,
     pairs: Annotated[Optional[str], typer.Option(
-        "--pairs", parser=_text, help="Metric: verification pairs file")] = None,
+        "--pairs", parser=text, help="Metric: verification pairs file")] = None,
     val_targets: Annotated[Optional[str], typer.Option(
         help="Metric: verification .bin packs (NAME = <data>/NAME.bin, or paths)")] = None,
     val_ann: Annotated[Optional[str], typer.Option(
-        parser=_text, help="Detection: COCO annotation JSON to evaluate on")] = None,
-    val_images: Annotated[Optional[str], typer.Option(parser=_text, help="Detection: its image folder")] = None,
+        parser=text, help="Detection: COCO annotation JSON to evaluate on")] = None,
+    val_images: Annotated[Optional[str], typer.Option(parser=text, help="Detection: its image folder")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
     save_predictions: Annotated[Optional[str], typer.Option(
-        parser=_text, help="Detection: write COCO results JSON here")] = None,
+        parser=text, help="Detection: write COCO results JSON here")] = None,
     classwise: Annotated[bool, typer.Option(help="Detection: AP per category (a table, and in --json)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
     best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
-    weights: Annotated[Optional[str], typer.Option(parser=_text,
+    weights: Annotated[Optional[str], typer.Option(parser=text,
         help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
     max_image_pixels: Annotated[Optional[int], typer.Option(
         help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
@@ -164,16 +137,16 @@ def evaluate(
 @app.command()
 def predict(
     checkpoint: Annotated[Path, typer.Option(
-        parser=_path, help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
-    images: Annotated[list[str], typer.Option(parser=_text,
+        parser=path, help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
+    images: Annotated[list[str], typer.Option(parser=text,
         help="Image file, folder (searched at any depth) or quoted glob pattern; repeat for more")],
     out: Annotated[Path, typer.Option(
-        parser=_path, help="Detection: output folder; metric: the .safetensors file to write")],
+        parser=path, help="Detection: output folder; metric: the .safetensors file to write")],
     task: Annotated[Optional[Task], typer.Option(help="Expected task (default: the checkpoint's)")] = None,
     score_threshold: Annotated[Optional[float], typer.Option(
         help="Detection: draw and keep boxes scoring at least this (default 0.3)")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
-    ann: Annotated[Optional[str], typer.Option(parser=_text,
+    ann: Annotated[Optional[str], typer.Option(parser=text,
         help="Detection: COCO annotation JSON whose file_names give the image ids (default: 1..N)")] = None,
     num_workers: Annotated[int, typer.Option(help="Image decoding workers")] = 2,
     max_image_pixels: Annotated[Optional[int], typer.Option(
@@ -208,11 +181,11 @@ def predict(
 @app.command("consolidate")
 def consolidate_cmd(
     ckpt: Annotated[Path, typer.Argument(
-        parser=_path, help="vtrain run/checkpoint dir, DeepSpeed checkpoint, Accelerate state")],
-    out: Annotated[Path, typer.Argument(parser=_path, help="Output file: .safetensors or .pt")],
-    dtype: Annotated[str, typer.Option(parser=_text, help="Output dtype: fp32 (default), bf16 or fp16")] = "fp32",
+        parser=path, help="vtrain run/checkpoint dir, DeepSpeed checkpoint, Accelerate state")],
+    out: Annotated[Path, typer.Argument(parser=path, help="Output file: .safetensors or .pt")],
+    dtype: Annotated[str, typer.Option(parser=text, help="Output dtype: fp32 (default), bf16 or fp16")] = "fp32",
     max_shard_size: Annotated[Optional[str], typer.Option(
-        parser=_text, help="Split into shards + index, e.g. 5GB")] = None,
+        parser=text, help="Split into shards + index, e.g. 5GB")] = None,
     allow_nonfinite: Annotated[bool, typer.Option(help="Write even when tensors hold inf/NaN")] = False,
     check_model: Annotated[bool, typer.Option(help="Load the result strictly into the model of config.yaml")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists (never a checkpoint's file)")] = False,
@@ -220,7 +193,7 @@ def consolidate_cmd(
         help="Metric: leave the class head out (backbone + embedding neck, what inference needs)")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
     best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
-    weights: Annotated[Optional[str], typer.Option(parser=_text,
+    weights: Annotated[Optional[str], typer.Option(parser=text,
         help="ema or model (default: ema when the vtrain checkpoint has EMA weights)")] = None,
 ) -> None:
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
@@ -264,8 +237,8 @@ def consolidate_cmd(
 @app.command("export")
 def export_cmd(
     checkpoint: Annotated[Path, typer.Argument(
-        parser=_path, help="Metric run dir (newest checkpoint) or checkpoints/step_N")],
-    out: Annotated[Path, typer.Argument(parser=_path, help="Output file, e.g. model.onnx")],
+        parser=path, help="Metric run dir (newest checkpoint) or checkpoints/step_N")],
+    out: Annotated[Path, typer.Argument(parser=path, help="Output file, e.g. model.onnx")],
     opset: Annotated[int, typer.Option(help="ONNX opset (18 up to what the installed onnx/onnxscript write)")] = 18,
     verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on a random batch")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT (and OUT.data) when it exists (never a checkpoint's file)")] = False,
@@ -286,31 +259,31 @@ def export_cmd(
 
 @app.command("estimate-memory")
 def estimate_memory_cmd(
-    model: Annotated[Optional[str], typer.Option("--model", parser=_text, help="Preset (see `vtrain presets`)")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", parser=text, help="Preset (see `vtrain presets`)")] = None,
     task: Annotated[Optional[Task], typer.Option(help="dino (default) or metric")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Per-GPU micro-batch")] = None,
     image_size: Annotated[Optional[str], typer.Option(
-        parser=_text, help="HxW or S, e.g. 800x1333 (DINO) or 112 (metric)")] = None,
+        parser=text, help="HxW or S, e.g. 800x1333 (DINO) or 112 (metric)")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="no, bf16 or fp16")] = None,
     grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
     zero: Annotated[Optional[int], typer.Option(help="DeepSpeed ZeRO stage 0-3 (0: DDP)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="FSDP2 instead of DDP/ZeRO")] = None,
-    offload: Annotated[Optional[str], typer.Option(parser=_text, help="none, optimizer or all")] = None,
+    offload: Annotated[Optional[str], typer.Option(parser=text, help="none, optimizer or all")] = None,
     gpus: Annotated[int, typer.Option(help="Data-parallel GPUs")] = 1,
     num_classes: Annotated[Optional[int], typer.Option(help="Classes (DINO: 80) or identities (metric)")] = None,
     gpu_memory: Annotated[float, typer.Option(help="GiB per GPU for the largest-batch answer")] = 24.0,
     config: Annotated[Optional[Path], typer.Option(
-        parser=_path, help="A `vtrain train` YAML: estimate that exact run")] = None,
+        parser=path, help="A `vtrain train` YAML: estimate that exact run")] = None,
     ds_config: Annotated[Optional[str], typer.Option(
-        parser=_text, help="DeepSpeed JSON (stage, offload, buckets, bf16)")] = None,
+        parser=text, help="DeepSpeed JSON (stage, offload, buckets, bf16)")] = None,
     compare_gc: Annotated[bool, typer.Option(help="Also trace the other checkpointing choices (slower)")] = True,
     memory_budget: Annotated[Optional[float], typer.Option(
         help="Plan --grad-ckpt auto for this many GiB per GPU: print the plan and the largest batch that fits")] = None,
-    head_parallel: Annotated[Optional[str], typer.Option(parser=_text,
+    head_parallel: Annotated[Optional[str], typer.Option(parser=text,
         help="Metric head: none or sharded (Partial FC: each GPU holds 1/--gpus of the identities)")] = None,
     sample_rate: Annotated[Optional[float], typer.Option(
         help="Sharded head: share of each GPU's identities per step (1.0: all)")] = None,
-    neck_norm: Annotated[Optional[str], typer.Option(parser=_text,
+    neck_norm: Annotated[Optional[str], typer.Option(parser=text,
         help="Metric: embedding neck norm, bn (default; needs a micro-batch >= 2), ln or none")] = None,
     breakdown: Annotated[bool, typer.Option(
         "--breakdown", help="Show the modules holding the most activation bytes at the peak, and the bytes per "
@@ -365,15 +338,12 @@ def presets() -> None:
 
 @app.command("convert")
 def convert_cmd(
-    src: Annotated[Path, typer.Argument(
-        parser=_path, help="A published checkpoint file (e.g. arcface_torch model.pt)")],
-    out: Annotated[Path, typer.Argument(parser=_path, help="New run directory to write (its checkpoints/step_0)")],
-    source: Annotated[str, typer.Option(
-        "--from", parser=_text, help="What wrote SRC: arcface-vit, idea-dino, detrex-dino or "
-                                                        "mmdet-dino (docs/convert.md)")],
-    model: Annotated[Optional[str], typer.Option(
-        "--model", parser=_text, help="Preset to fill (default: the one of the file's "
-                                                 "sizes, else the source's)")] = None,
+    src: Annotated[Path, typer.Argument(parser=path, help="A published checkpoint file (e.g. arcface_torch model.pt)")],
+    out: Annotated[Path, typer.Argument(parser=path, help="New run directory to write (its checkpoints/step_0)")],
+    source: Annotated[str, typer.Option("--from", parser=text, help="What wrote SRC: arcface-vit, idea-dino, "
+                                        "detrex-dino or mmdet-dino (docs/convert.md)")],
+    model: Annotated[Optional[str], typer.Option("--model", parser=text, help="Preset to fill (default: the one of "
+                                                 "the file's sizes, else the source's)")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT when it is an earlier `vtrain convert` output")] = False,
 ) -> None:
     """Convert a published checkpoint into a vtrain checkpoint that eval, predict, export and --pretrained read."""
@@ -440,23 +410,6 @@ def main() -> None:
         traceback.print_exc()  # what the interpreter prints for an uncaught exception, then exit 1
         code = 1
     _exit(code, groups)
-
-
-def user_error(e: BaseException) -> str | None:
-    """The one line `vtrain` prints for `e` when it is a user error, ending the command with exit 2 (Click's exit
-    code for its own): a VtrainError from anywhere in the core, Click's usage errors (an unknown option, `--seed
-    abc`), or an environment error (a full or read-only disk, a missing permission) at a write that no disk_op
-    names (vtrain/guarded.py); None for anything else, which stays a traceback (a bug). Tests that call a reader
-    in-process check its errors through this function (tests/helpers/fuzz.py)."""
-    if isinstance(e, VtrainError):
-        return f"error: {e}"
-    if isinstance(e, typer.TyperException):  # Click's own: an unknown option, `--seed abc`
-        ctx = getattr(e, "ctx", None)
-        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        return f"error: {' '.join(e.format_message().split())}{hint}"
-    if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS and not isinstance(e, FileNotFoundError):
-        return f"error: {e.strerror}: {e.filename or 'a file'} (during `vtrain {' '.join(sys.argv[1:2])}`)"
-    return None
 
 
 def _run() -> int:

@@ -1,7 +1,7 @@
 """Empty and contradictory values (docs/safety.md, "Empty values are refused"; docs/input_limits.md §10): a path or
 text option given '' or blanks, as an unset shell variable passes it, is one `error:` line naming it, for `vtrain
 train` (every text field, flag or --config key: config/fields.py `Section._check_text`) and for every other command
-(cli._text/_path, through each command's own Click parser); `--max-size` at or below `--image-size` is one config
+(cli_rules.text/path, through each command's own Click parser); `--max-size` at or below `--image-size` is one config
 error for a new run (flags and YAML), for a run's config.yaml reloaded by eval and predict, and for their own flags
 (config/run.py `check_resize`). Each case goes through the CLI's own parser and error mapping in this process
 (tests/helpers/fuzz.py `contract`) and leaves its folder unchanged."""
@@ -16,7 +16,8 @@ import typer
 import yaml
 
 from tests.helpers.fuzz import contract
-from vtrain.cli import app, train_config
+from vtrain.cli import app
+from vtrain.config import config_from_flags
 from vtrain.config import build_config, load_run_config
 from vtrain.tasks.dino import chosen_test_sizes
 
@@ -28,7 +29,7 @@ def _commands():
 
 def _parse(command: str, argv: list[str]):
     ctx = _commands()[command].make_context(command, argv)
-    return train_config(ctx.params) if command == "train" else ctx.params
+    return config_from_flags(ctx.params) if command == "train" else ctx.params
 
 
 TRAIN = {  # argv -> the words of its one line

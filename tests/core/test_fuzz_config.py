@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from tests.helpers.fuzz import contract, corrupt, dumps, mutate, strategies
 from tests.helpers.paths import ROOT
-from vtrain.cli import app, train_config
+from vtrain.cli import app
+from vtrain.config import config_from_flags
 from vtrain.config import build_config, options, read_yaml
 from vtrain.config.paths import check_parallel
 from vtrain.config.parallel import ParallelConfig
@@ -119,7 +120,7 @@ TRAIN = typer.main.get_command(app).commands["train"]  # (built once: Typer make
 
 def _parse_and_build(argv: list[str]):
     ctx = TRAIN.make_context("train", argv)
-    return train_config(ctx.params)
+    return config_from_flags(ctx.params)
 
 
 @given(st.lists(st.tuples(st.sampled_from(TRAIN_FLAGS), VALUES | strategies().text), min_size=1, max_size=4))

@@ -2,7 +2,7 @@
 table-driven hostile cases (docs/testing.md, "The fuzz lane"):
 
 - success, or exit 2 with exactly one `error:` line: the reader is called in this process and an exception is
-  mapped by `vtrain.cli.user_error`, the function the CLI itself maps errors with (anything it does not map is a
+  mapped by `vtrain.cli_rules.user_error`, the function the CLI itself maps errors with (anything it does not map is a
   traceback in the CLI, so it fails the test with its traceback);
 - memory bounded by the input's size: the peak of Python's and numpy's allocations (tracemalloc) while it runs;
 - nothing outside the run changed: the folders named are byte-identical afterwards (`tree_hash`).
@@ -36,7 +36,7 @@ class Outcome:
 
     @classmethod
     def of(cls, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Outcome:
-        from vtrain.cli import user_error
+        from vtrain.cli_rules import user_error
 
         tracemalloc.start()
         tracemalloc.reset_peak()

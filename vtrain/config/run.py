@@ -196,6 +196,20 @@ def build_config(task: str | None, file_values: dict[str, Any] | None = None,
     return cfg
 
 
+def config_from_flags(flags: dict[str, Any]) -> RunConfig:
+    """`vtrain train`'s config from its flags as the command line passes them (`--config` FILE, `--task`, one entry
+    per field with a flag: None when unset, a choice as its value or an Enum member): task defaults < the file <
+    the flags (`resolve`), every path it names checked (`build_config`), nothing built. The fuzz lane calls it with
+    generated values."""
+    flags = dict(flags)
+    config = flags.pop("config", None)
+    file_values = read_yaml(config) if config is not None else {}
+    task = flags.pop("task", None)
+    overrides = {section: {n: getattr(flags[n], "value", flags[n]) for n in names if flags.get(n) is not None}
+                 for section, names in FLAG_SECTIONS.items()}
+    return build_config(getattr(task, "value", task), file_values, overrides)
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     """The config saved with a run (``config.yaml``), as it was written: its values checked, no path it names. An
     empty optional value ('' for --pretrained, which a vtrain before the empty-value rule accepted and ignored) is
