@@ -204,3 +204,19 @@ def test_eval_reads_or_refuses_every_image(models, tmp_path, name):
         assert out.code == 2 and want in out.line and file in out.line, (name, out.line)
     else:
         assert out.code == 0 and "AP" in out.value[1], out.value
+
+
+@pytest.mark.parametrize("size", [(1, 1), (1, 3), (3, 1), (40, 30)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mode", ["RGB", "L", "P"])
+def test_a_decoded_png_is_a_writable_tensor_without_a_warning(size, mode):
+    """PIL's array is read-only; a 1 x 1 RGB PNG was handed to torch without a copy, which warned (on the console of
+    a user's run) and gave a tensor that must not be written."""
+    import warnings
+
+    from vtrain.data.images import decode_rgb
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        img = decode_rgb(_pil(mode, "PNG", size, 7), "x.png")
+    assert img.shape == (3, size[1], size[0]) and img.dtype == torch.uint8
+    img[:, 0, 0] = 1  # writable: its own memory

@@ -88,7 +88,7 @@ def _decode_png(data: bytes, what: str) -> torch.Tensor:
             rgb = np.repeat(grey[None], 3, axis=0)
         else:
             rgb = np.asarray(im.convert("RGB")).transpose(2, 0, 1)
-    return torch.from_numpy(np.ascontiguousarray(rgb))
+    return torch.from_numpy(np.array(rgb, order="C"))  # a copy: PIL's array is read-only (torch warns of it)
 
 
 def check_pixels(width: int, height: int, frames: int, what: str, max_pixels: int) -> None:
