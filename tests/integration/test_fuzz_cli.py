@@ -22,7 +22,7 @@ from tests.helpers.fuzz import strategies
 from vtrain.cli import app
 
 pytestmark = pytest.mark.fuzz
-COMMANDS = ["eval", "predict", "consolidate", "export", "estimate-memory", "convert"]
+COMMANDS = ["convert", "export", "consolidate", "predict", "estimate-memory", "eval"]
 EXAMPLES = int(os.environ.get("VTRAIN_FUZZ_CLI_EXAMPLES", 120 if os.environ.get("VTRAIN_FUZZ") else 4))
 
 
