@@ -13,7 +13,7 @@ DEMO_DINO_FLAGS := --task dino --model debug-resnet --data demo --image-size 192
 	--lr 5e-4 --warmup-steps 100 --ema-decay 0.99 --backbone-lr-mult 1 --clip-grad 1.0 --mixed-precision no --num-workers 1 \
 	--log-every 50 --eval-every 300 --save-every 300 --keep-last 1
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast fuzz install clean
 
 install: $(STAMP)
 
@@ -57,5 +57,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout 900 -m "not slow and not integration" tests
 
+# The fuzz lane alone with many more generated examples than `make test` runs (random, failures kept in .hypothesis/
+# and replayed first); VTRAIN_FUZZ_EXAMPLES=N sets the number per property (docs/testing.md).
+fuzz: $(STAMP)
+	OMP_NUM_THREADS=1 VTRAIN_FUZZ=1 $(PY) -m pytest -q --timeout 3600 -m fuzz tests
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache .hypothesis

@@ -1,6 +1,6 @@
-"""Shared fixtures only (a private data cache, small synthetic identity trees, the Triton interpreter) and the lane
-of each test: everything under tests/integration/ is marked `integration` (docs/testing.md). Helpers that are not
-fixtures live in tests/helpers/."""
+"""Shared fixtures only (a private data cache, small synthetic identity trees, the Triton interpreter), the lane
+of each test: everything under tests/integration/ is marked `integration` (docs/testing.md), and the hypothesis
+profiles of the fuzz lane. Helpers that are not fixtures live in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -10,8 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+# The fuzz lane (docs/testing.md): property tests marked `fuzz` generate hostile variants of each format vtrain
+# reads. `make test` runs a bounded, seeded number of examples (the same ones on every run: derandomized, no example
+# database), so the lane costs about a minute and never fails by chance; `make fuzz` (VTRAIN_FUZZ=1) draws many
+# more, randomly, and keeps the failing ones in .hypothesis/ to replay first. VTRAIN_FUZZ_EXAMPLES sets the count.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example,
+            HealthCheck.function_scoped_fixture]
+settings.register_profile("default", max_examples=int(os.environ.get("VTRAIN_FUZZ_EXAMPLES", 12)),
+                          derandomize=True, database=None, deadline=None, print_blob=True,
+                          suppress_health_check=_SLOW_OK)
+settings.register_profile("fuzz", max_examples=int(os.environ.get("VTRAIN_FUZZ_EXAMPLES", 400)), deadline=None,
+                          print_blob=True, suppress_health_check=_SLOW_OK)
+settings.load_profile("fuzz" if os.environ.get("VTRAIN_FUZZ") else "default")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

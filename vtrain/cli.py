@@ -19,6 +19,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from vtrain import recompute
+from vtrain.cli_rules import path, text, user_error
 from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, Option, config_from_flags, options  # noqa: F401
 from vtrain.config.paths import check_exists, check_demo_batch
 from vtrain.console import console, end_log, header, log_to, plain, start_log
@@ -29,7 +30,6 @@ from vtrain.errors import VtrainError
 from vtrain.exit import end as _exit
 from vtrain.exit import groups_left as _groups_left
 from vtrain.exit import leave_gloo_group as _leave_gloo_group
-from vtrain.guarded import ENVIRONMENT_ERRNOS
 from vtrain.launch import check_launch
 from vtrain.safeio import force_weights_only_env
 
@@ -58,7 +58,8 @@ def _train_parameter(o: Option) -> inspect.Parameter:
 def _train_command(fn: Any) -> Any:
     """`fn(config, task, **section_flags)` with one parameter per config field that has a flag, plus --config."""
     config = inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
-        Optional[Path], typer.Option(help="YAML config, keys as in docs/options.md (a run's config.yaml too); flags "
+        Optional[Path], typer.Option(
+            parser=path, help="YAML config, keys as in docs/options.md (a run's config.yaml too); flags "
                                      "override its values")])
     params = [_train_parameter(o) for o in options() if o.flag] + [config]
     fn.__signature__ = inspect.Signature(params, return_annotation=None)
@@ -86,22 +87,27 @@ def train(**flags: Any) -> None:
 
 @app.command("eval")
 def evaluate(
-    checkpoint: Annotated[Path, typer.Option(help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
+    checkpoint: Annotated[Path, typer.Option(
+        parser=path, help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
     task: Annotated[Optional[Task], typer.Option(help="Expected task (checked against the checkpoint)")] = None,
-    data: Annotated[Optional[str], typer.Option(
+    data: Annotated[Optional[str], typer.Option(parser=text,
         help="Data directory, a verification .bin pack, or `demo`; default: the run's data")] = None,
-    val_data: Annotated[Optional[str], typer.Option("--val-data", help="Metric: held-out identity tree")] = None,
-    pairs: Annotated[Optional[str], typer.Option("--pairs", help="Metric: verification pairs file")] = None,
+    val_data: Annotated[Optional[str], typer.Option(
+        "--val-data", parser=text, help="Metric: held-out identity tree")] = None,
+    pairs: Annotated[Optional[str], typer.Option(
+        "--pairs", parser=text, help="Metric: verification pairs file")] = None,
     val_targets: Annotated[Optional[str], typer.Option(
         help="Metric: verification .bin packs (NAME = <data>/NAME.bin, or paths)")] = None,
-    val_ann: Annotated[Optional[str], typer.Option(help="Detection: COCO annotation JSON to evaluate on")] = None,
-    val_images: Annotated[Optional[str], typer.Option(help="Detection: its image folder")] = None,
+    val_ann: Annotated[Optional[str], typer.Option(
+        parser=text, help="Detection: COCO annotation JSON to evaluate on")] = None,
+    val_images: Annotated[Optional[str], typer.Option(parser=text, help="Detection: its image folder")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
-    save_predictions: Annotated[Optional[str], typer.Option(help="Detection: write COCO results JSON here")] = None,
+    save_predictions: Annotated[Optional[str], typer.Option(
+        parser=text, help="Detection: write COCO results JSON here")] = None,
     classwise: Annotated[bool, typer.Option(help="Detection: AP per category (a table, and in --json)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
     best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
-    weights: Annotated[Optional[str], typer.Option(
+    weights: Annotated[Optional[str], typer.Option(parser=text,
         help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
     max_image_pixels: Annotated[Optional[int], typer.Option(
         help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
@@ -111,8 +117,10 @@ def evaluate(
         help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
     max_size: Annotated[Optional[int], typer.Option(
         help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
-    ijb: Annotated[Optional[Path], typer.Option(help="Metric: IJB-B/C 1:1 verification on this folder")] = None,
-    ijb_target: Annotated[Optional[str], typer.Option(help="ijbb or ijbc (default: from --ijb's files)")] = None,
+    ijb: Annotated[Optional[Path], typer.Option(
+        parser=path, help="Metric: IJB-B/C 1:1 verification on this folder")] = None,
+    ijb_target: Annotated[Optional[str], typer.Option(
+        parser=text, help="ijbb or ijbc (default: from --ijb's files)")] = None,
 ) -> None:
     """Evaluate a checkpoint: face verification (10-fold accuracy on .bin packs, TAR@FAR, best accuracy), IJB-B/C
     1:1 verification (--ijb) or COCO box AP. With --save-predictions the console also goes to eval.log beside the
@@ -150,16 +158,17 @@ def evaluate(
 
 @app.command()
 def predict(
-    images: Annotated[list[str], typer.Option(
+    images: Annotated[list[str], typer.Option(parser=text,
         help="Image file, folder (searched at any depth) or quoted glob pattern; repeat for more")],
-    out: Annotated[Path, typer.Option(help="Detection: output folder; metric: the .safetensors file to write")],
+    out: Annotated[Path, typer.Option(
+        parser=path, help="Detection: output folder; metric: the .safetensors file to write")],
     checkpoint: Annotated[Optional[Path], typer.Option(
-        help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")] = None,
+        parser=path, help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")] = None,
     task: Annotated[Optional[Task], typer.Option(help="Expected task (default: the checkpoint's)")] = None,
     score_threshold: Annotated[Optional[float], typer.Option(
         help="Detection: draw and keep boxes scoring at least this (default 0.3)")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
-    ann: Annotated[Optional[str], typer.Option(
+    ann: Annotated[Optional[str], typer.Option(parser=text,
         help="Detection: COCO annotation JSON whose file_names give the image ids (default: 1..N)")] = None,
     num_workers: Annotated[int, typer.Option(help="Image decoding workers")] = 2,
     max_image_pixels: Annotated[Optional[int], typer.Option(
@@ -171,7 +180,7 @@ def predict(
     max_size: Annotated[Optional[int], typer.Option(
         help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
     onnx: Annotated[Optional[Path], typer.Option(
-        help="Detection: run this ONNX file of `vtrain export` with onnxruntime instead of a checkpoint")] = None,
+        parser=path, help="Detection: run this ONNX file of `vtrain export` with onnxruntime instead of a checkpoint")] = None,
 ) -> None:
     """Run a checkpoint on images: drawn boxes + COCO results JSON (detection) or embeddings (metric)."""
     check_exists(checkpoint, "--checkpoint")
@@ -195,10 +204,12 @@ def predict(
 
 @app.command("consolidate")
 def consolidate_cmd(
-    ckpt: Annotated[Path, typer.Argument(help="vtrain run/checkpoint dir, DeepSpeed checkpoint, Accelerate state")],
-    out: Annotated[Path, typer.Argument(help="Output file: .safetensors or .pt")],
-    dtype: Annotated[str, typer.Option(help="Output dtype: fp32 (default), bf16 or fp16")] = "fp32",
-    max_shard_size: Annotated[Optional[str], typer.Option(help="Split into shards + index, e.g. 5GB")] = None,
+    ckpt: Annotated[Path, typer.Argument(
+        parser=path, help="vtrain run/checkpoint dir, DeepSpeed checkpoint, Accelerate state")],
+    out: Annotated[Path, typer.Argument(parser=path, help="Output file: .safetensors or .pt")],
+    dtype: Annotated[str, typer.Option(parser=text, help="Output dtype: fp32 (default), bf16 or fp16")] = "fp32",
+    max_shard_size: Annotated[Optional[str], typer.Option(
+        parser=text, help="Split into shards + index, e.g. 5GB")] = None,
     allow_nonfinite: Annotated[bool, typer.Option(help="Write even when tensors hold inf/NaN")] = False,
     check_model: Annotated[bool, typer.Option(help="Load the result strictly into the model of config.yaml")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT when it exists (never a checkpoint's file)")] = False,
@@ -206,7 +217,7 @@ def consolidate_cmd(
         help="Metric: leave the class head out (backbone + embedding neck, what inference needs)")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
     best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
-    weights: Annotated[Optional[str], typer.Option(
+    weights: Annotated[Optional[str], typer.Option(parser=text,
         help="ema or model (default: ema when the vtrain checkpoint has EMA weights)")] = None,
 ) -> None:
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
@@ -249,19 +260,19 @@ def consolidate_cmd(
 
 @app.command("export")
 def export_cmd(
-    checkpoint: Annotated[Path, typer.Argument(help="Run dir (newest checkpoint) or checkpoints/step_N: a metric or "
-                                                    "DINO checkpoint")],
-    out: Annotated[Path, typer.Argument(help="Output file, e.g. model.onnx")],
+    checkpoint: Annotated[Path, typer.Argument(parser=path, help="Run dir (newest checkpoint) or checkpoints/step_N: a "
+                                                    "metric or DINO checkpoint")],
+    out: Annotated[Path, typer.Argument(parser=path, help="Output file, e.g. model.onnx")],
     opset: Annotated[int, typer.Option(help="ONNX opset (18 up to what the installed onnx/onnxscript write)")] = 18,
     verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on inputs the export did not trace")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT (and OUT.data) when it exists (never a checkpoint's file)")] = False,
     weights: Annotated[Optional[str], typer.Option(
-        help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
+        parser=text, help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
     raw: Annotated[Optional[bool], typer.Option(
         "--raw", help="Detection: output the raw logits and boxes of every query instead of the top-k detections")] = None,
     msda: Annotated[Optional[str], typer.Option(
-        help="Detection: deformable attention as grid-sample (default; ONNX GridSample) or gather (no GridSample, "
-        "for TensorRT-like runtimes)")] = None,
+        parser=text, help="Detection: deformable attention as grid-sample (default; ONNX GridSample) or gather "
+        "(no GridSample, for TensorRT-like runtimes)")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="Detection: detections per image (default 300)")] = None,
 ) -> None:
     """Export a metric model's embedding network, or a DINO detector with a dynamic batch and image size, to ONNX."""
@@ -298,28 +309,31 @@ def export_cmd(
 
 @app.command("estimate-memory")
 def estimate_memory_cmd(
-    model: Annotated[Optional[str], typer.Option("--model", help="Preset (see `vtrain presets`)")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", parser=text, help="Preset (see `vtrain presets`)")] = None,
     task: Annotated[Optional[Task], typer.Option(help="dino (default) or metric")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Per-GPU micro-batch")] = None,
-    image_size: Annotated[Optional[str], typer.Option(help="HxW or S, e.g. 800x1333 (DINO) or 112 (metric)")] = None,
+    image_size: Annotated[Optional[str], typer.Option(
+        parser=text, help="HxW or S, e.g. 800x1333 (DINO) or 112 (metric)")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="no, bf16 or fp16")] = None,
     grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
     zero: Annotated[Optional[int], typer.Option(help="DeepSpeed ZeRO stage 0-3 (0: DDP)")] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="FSDP2 instead of DDP/ZeRO")] = None,
-    offload: Annotated[Optional[str], typer.Option(help="none, optimizer or all")] = None,
+    offload: Annotated[Optional[str], typer.Option(parser=text, help="none, optimizer or all")] = None,
     gpus: Annotated[int, typer.Option(help="Data-parallel GPUs")] = 1,
     num_classes: Annotated[Optional[int], typer.Option(help="Classes (DINO: 80) or identities (metric)")] = None,
     gpu_memory: Annotated[float, typer.Option(help="GiB per GPU for the largest-batch answer")] = 24.0,
-    config: Annotated[Optional[Path], typer.Option(help="A `vtrain train` YAML: estimate that exact run")] = None,
-    ds_config: Annotated[Optional[str], typer.Option(help="DeepSpeed JSON (stage, offload, buckets, bf16)")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        parser=path, help="A `vtrain train` YAML: estimate that exact run")] = None,
+    ds_config: Annotated[Optional[str], typer.Option(
+        parser=text, help="DeepSpeed JSON (stage, offload, buckets, bf16)")] = None,
     compare_gc: Annotated[bool, typer.Option(help="Also trace the other checkpointing choices (slower)")] = True,
     memory_budget: Annotated[Optional[float], typer.Option(
         help="Plan --grad-ckpt auto for this many GiB per GPU: print the plan and the largest batch that fits")] = None,
-    head_parallel: Annotated[Optional[str], typer.Option(
+    head_parallel: Annotated[Optional[str], typer.Option(parser=text,
         help="Metric head: none or sharded (Partial FC: each GPU holds 1/--gpus of the identities)")] = None,
     sample_rate: Annotated[Optional[float], typer.Option(
         help="Sharded head: share of each GPU's identities per step (1.0: all)")] = None,
-    neck_norm: Annotated[Optional[str], typer.Option(
+    neck_norm: Annotated[Optional[str], typer.Option(parser=text,
         help="Metric: embedding neck norm, bn (default; needs a micro-batch >= 2), ln or none")] = None,
     breakdown: Annotated[bool, typer.Option(
         "--breakdown", help="Show the modules holding the most activation bytes at the peak, and the bytes per "
@@ -378,15 +392,15 @@ def presets() -> None:
 
 @app.command("convert")
 def convert_cmd(
-    src: Annotated[Path, typer.Argument(help="A published checkpoint file (e.g. arcface_torch model.pt)")],
-    out: Annotated[Path, typer.Argument(help="New run directory to write (its checkpoints/step_0)")],
-    source: Annotated[str, typer.Option("--from", help="What wrote SRC: arcface-vit, idea-dino, detrex-dino or "
-                                                        "mmdet-dino (docs/convert.md)")],
-    model: Annotated[Optional[str], typer.Option("--model", help="Preset to fill (default: the one of the file's "
-                                                 "sizes, else the source's)")] = None,
+    src: Annotated[Path, typer.Argument(parser=path, help="A published checkpoint file (e.g. arcface_torch model.pt)")],
+    out: Annotated[Path, typer.Argument(parser=path, help="New run directory to write (its checkpoints/step_0)")],
+    source: Annotated[str, typer.Option("--from", parser=text, help="What wrote SRC: arcface-vit, idea-dino, "
+                                        "detrex-dino or mmdet-dino (docs/convert.md)")],
+    model: Annotated[Optional[str], typer.Option("--model", parser=text, help="Preset to fill (default: the one of "
+                                                 "the file's sizes, else the source's)")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT when it is an earlier `vtrain convert` output")] = False,
     categories: Annotated[Optional[Path], typer.Option(
-        help="Detection: JSON naming the classes, one per class row: a COCO `categories` list (id, name) or a list "
+        parser=path, help="Detection: JSON naming the classes, one per class row: a COCO `categories` list (id, name) or a list "
         "of names (ids 1..N); default: the file's own names, else COCO's for COCO's class count")] = None,
 ) -> None:
     """Convert a published checkpoint into a vtrain checkpoint that eval, predict, export, consolidate and
@@ -432,30 +446,22 @@ def _run() -> int:
             if e.format_message().strip():
                 e.show()  # type: ignore[attr-defined]
             return e.exit_code
-        ctx = getattr(e, "ctx", None)
-        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        print(f"error: {' '.join(e.format_message().split())}{hint}", file=sys.stderr)
+        print(user_error(e), file=sys.stderr)
         return e.exit_code
     except typer.Abort:
         return 1
-    except VtrainError as e:
-        if not getattr(e, "quiet", False):  # an error rank 0 reports for all ranks
-            print(f"error: {e}", file=sys.stderr)
-        _leave_gloo_group()
-        return 2
-    except OSError as e:
-        # the environment (a full or read-only disk, a missing permission) at a write that no disk_op names
-        # (vtrain/guarded.py): still one line with the path, never a traceback; any other error stays one
-        if e.errno not in ENVIRONMENT_ERRNOS or isinstance(e, FileNotFoundError):
-            raise
-        print(f"error: {e.strerror}: {e.filename or 'a file'} (during `vtrain {' '.join(sys.argv[1:2])}`)",
-              file=sys.stderr)
-        _leave_gloo_group()
-        return 2
     except TrainingInterrupted as e:
         if os.environ.get("RANK", "0") == "0":
             print(str(e), file=sys.stderr)
         return e.code
+    except Exception as e:
+        line = user_error(e)
+        if line is None:
+            raise
+        if not getattr(e, "quiet", False):  # an error rank 0 reports for all ranks
+            print(line, file=sys.stderr)
+        _leave_gloo_group()
+        return 2
     return code if isinstance(code, int) else 0
 
 

@@ -5,6 +5,7 @@ launch plan and for `estimate-memory`). Filling the values vtrain owns into it i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,7 @@ def check_structure(raw: Any, source: str) -> None:
             fail(f"zero_optimization.{key}.device must be none/cpu/nvme, got {shown(section['device'])}")
     if (zero.get("offload_param") or {}).get("device", "none") != "none" and stage != 3:
         fail(f"offload_param needs zero_optimization.stage 3 (got {stage})")
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):  # read as numbers by estimate-memory (bucket_sizes)
+        value = zero.get(key, "auto")
+        if value != "auto" and not (type(value) in (int, float) and math.isfinite(value) and value >= 0):
+            fail(f'zero_optimization.{key} must be "auto" or a number >= 0, got {shown(value)}')

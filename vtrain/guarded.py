@@ -9,12 +9,15 @@ never followed (`crossing_in`). A folder deleted whole is first searched for mou
 made right before each delete; they do not defend against a process that swaps a folder for a link or mounts
 something in between (vtrain's lock keeps other vtrain runs out, not other users).
 
-Outputs a user names (`consolidate OUT`, `predict --out`, `export OUT`, `eval --save-predictions`): an existing
-target is refused without `--overwrite`, a target inside a checkpoint is refused always (the caller says what a
-checkpoint is: this module is below the format), and so is one that exists and is not a regular file (a FIFO, a
-device, a socket, or a symbolic link to one: replacing `/dev/null` would replace the system's node, and a link to a
-FIFO was set up to be written through). The file is written beside its target under a fresh name and renamed over
-it: a link at the target (dangling, or to a regular file or folder) is replaced, never written through.
+Outputs a user names (`consolidate OUT`, `predict --out`, `export OUT`, `eval --save-predictions`, `convert OUT`): an
+existing target is refused without `--overwrite`, a target inside a checkpoint is refused always (the caller says
+what a checkpoint is: this module is below the format), and so is one that exists and is not a regular file (a FIFO,
+a device, a socket, or a symbolic link to one: replacing `/dev/null` would replace the system's node, and a link to a
+FIFO was set up to be written through), and one that is an input of the same command (`Read`, `check_not_input`):
+the same file by resolved path or by (device, inode), so also through a link, a bind mount or a hard link, or a file
+inside a folder the command reads, or an input inside a folder it replaces whole. The file is written beside its
+target under a fresh name and renamed over it: a link at the target (dangling, or to a regular file or folder) is
+replaced, never written through.
 
 Writing. Every file vtrain writes itself goes through `replace_file`; bytes vtrain holds go through `write_bytes`,
 which checks that the file on disk holds every byte before the rename. Libraries that write a file themselves are
@@ -40,6 +43,7 @@ import stat
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -209,12 +213,73 @@ def not_regular(path: str | Path) -> str | None:
     return f"a symbolic link to {kind} ({os.readlink(path)})" if link else kind
 
 
+@dataclass(frozen=True)
+class Read:
+    """An input of a command, for `check_not_input`: a file, or a folder of which it reads every file
+    (`suffixes` None) or the files ending in one of `suffixes` (lower case: an image folder)."""
+
+    flag: str
+    path: Path
+    folder: bool = False
+    suffixes: tuple[str, ...] | None = None
+
+
+def _identity(path: str | Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _folders_above(path: str | Path) -> Iterator[tuple[int, int]]:
+    """(device, inode) of every folder `path` lies in, links resolved, up to /."""
+    p = Path(os.path.realpath(path)).parent
+    for q in (p, *p.parents):
+        ident = _identity(q)
+        if ident is not None:
+            yield ident
+
+
+def check_not_input(targets: list[Path], reads: list[Read], flag: str, replaced: list[Path] = ()) -> None:
+    """The rule that `--overwrite` never reaches an input of the same command: a target (a file the command writes)
+    that exists is refused when it is a file the command reads, by resolved path or by (device, inode) (so through
+    a link, a bind mount or a hard link), or a file a read folder holds; a folder the command replaces whole
+    (`replaced`) is refused when an input lies in it. One error line naming both; with or without --overwrite."""
+    files = {ident: r for r in reads if not r.folder and (ident := _identity(r.path)) is not None}
+    files.update({os.path.realpath(r.path): r for r in reads if not r.folder})  # type: ignore[dict-item]
+    folders = [(ident, r) for r in reads if r.folder and (ident := _identity(r.path)) is not None]
+
+    def refuse(t: Path, r: Read, how: str) -> None:
+        raise Refused(f"{flag}: {t} {how} {r.flag} {r.path}, an input of this command; vtrain never writes over "
+                      "what it reads, even with --overwrite: choose another path")
+
+    for t in targets:
+        ident = _identity(t) if os.path.lexists(t) else None
+        if ident is None:  # nothing there (or a dangling link): no input can be lost
+            continue
+        r = files.get(ident) or files.get(os.path.realpath(t))
+        if r is not None:
+            refuse(t, r, "is the same file as")
+        above = set(_folders_above(t)) if folders else set()
+        for folder, r in folders:
+            if folder in above and (r.suffixes is None or os.path.realpath(t).lower().endswith(r.suffixes)):
+                refuse(t, r, "lies in the folder")
+    for out in replaced:
+        ident = _identity(out)
+        for r in reads:
+            if ident is not None and (_identity(r.path) == ident or ident in set(_folders_above(r.path))):
+                refuse(out, r, "is replaced whole, and holds")
+
+
 def claim_output(targets: list[Path], overwrite: bool, flag: str,
-                 inside_checkpoint: Callable[[Path], Path | None]) -> None:
+                 inside_checkpoint: Callable[[Path], Path | None], reads: list[Read] = ()) -> None:
     """The one rule for files a command writes where the user said (`targets`: every file it will write). Never
     into a checkpoint, even with --overwrite (links resolved: a link to a checkpoint's file is that file); never over
-    a FIFO, a device or a socket (or a link to one), even with --overwrite; an existing target only with
-    --overwrite; a path safetensors could not read back, never."""
+    a FIFO, a device or a socket (or a link to one), even with --overwrite; never over one of the command's inputs
+    (`reads`, `check_not_input`), even with --overwrite; an existing target only with --overwrite; a path
+    safetensors could not read back, never."""
+    check_not_input(targets, list(reads), flag)
     for t in targets:
         problem = utf8_problem(t)
         if problem is not None:

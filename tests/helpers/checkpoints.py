@@ -93,3 +93,67 @@ def relabelled_as_dino(doc: dict) -> dict:
         face = {f.name for f in dataclasses.fields(cls) if f.metadata.get("task") == "metric"}
         out[section] = {k: v for k, v in doc.get(section, {}).items() if k not in face}
     return out
+
+
+def weights_run(out: Path, cfg, tensors: dict[str, torch.Tensor], categories: list | None = None) -> Path:
+    """A run directory holding one complete checkpoint (step_0) of `tensors` and `cfg`, made with the checkpoint
+    API as `vtrain convert` writes its output (config.yaml, model.safetensors, a step-0 train state, categories);
+    returns the checkpoint."""
+    import uuid
+
+    from vtrain.engine import checkpoint as ckpt
+    from vtrain.files import digest_share
+
+    out.mkdir(parents=True)
+    cfg.save(out / ckpt.CONFIG)
+    tmp = ckpt.begin(out, 0, True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / ckpt.MODEL))
+    cfg.save(tmp / ckpt.CONFIG)
+    ckpt.TrainState(step=0, consumed_samples=0, scheduler={"base_lrs": [cfg.optim.lr], "last_epoch": 0,
+                                                          "lr_lambdas": [None]}, world_size=1, engine="single").write(tmp)
+    if categories is not None:
+        ckpt.write_json(tmp / ckpt.CATEGORIES, categories)
+    return ckpt.commit(out, 0, uuid.uuid4().hex, digest_share(tmp, ckpt.payload_files(tmp)), keep_last=1)[0]
+
+
+DEBUG_DETECTOR = {"preset": "debug-resnet", "image_size": 128, "num_queries": 20, "dn_queries": 0}
+
+
+def debug_detector(root: Path, images: dict[str, tuple[int, int]]) -> dict[str, Path]:
+    """A debug-resnet detector of 2 classes as a checkpoint (`weights_run`: untrained, what the readers and the
+    output rules need, not what it predicts) and a COCO set `val.json` + `val/` of `images` (file name -> width,
+    height; each file written as a plain JPEG). Returns its paths: root, ann, val, ckpt."""
+    from PIL import Image
+
+    from vtrain.config import build_config
+    from vtrain.tasks import build_model
+
+    val = root / "val"
+    val.mkdir(parents=True)
+    for name, (w, h) in images.items():
+        Image.new("RGB", (w, h), (90, 40, 10)).save(val / name)
+    ann = root / "val.json"
+    cats = [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}]
+    ann.write_text(json.dumps({"images": [{"id": i + 1, "file_name": n, "width": w, "height": h}
+                                          for i, (n, (w, h)) in enumerate(images.items())],
+                               "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [4, 4, 20, 20],
+                                                "area": 400, "iscrowd": 0}], "categories": cats}))
+    cfg = build_config("dino", overrides={"model": DEBUG_DETECTOR, "train": {"output_dir": str(root / "run"),
+                                                                             "batch_size": 1},
+                                          "data": {"val_ann": str(ann), "val_images": str(val), "num_workers": 0}})
+    ckpt = weights_run(root / "run", cfg, build_model("dino", cfg.model, 2).state_dict(), cats)
+    return {"root": root, "ann": ann, "val": val, "ckpt": ckpt}
+
+
+def debug_face_model(root: Path) -> Path:
+    """A debug metric model (16-d embeddings, LayerNorm neck, 4 identities) as a checkpoint (`weights_run`), whose
+    run's data is an identity tree of 4 x 2 images (no held-out set: `vtrain eval` of it needs data given)."""
+    from vtrain.config import build_config
+    from vtrain.data.demo_faces import write_identity_tree
+    from vtrain.tasks import build_model
+
+    write_identity_tree(root / "face_data", 0, 4, 2, seed=3)
+    cfg = build_config("metric", overrides={"model": {"embedding_dim": 16, "neck_norm": "ln"},
+                                            "train": {"output_dir": str(root / "face"), "batch_size": 2},
+                                            "data": {"path": str(root / "face_data"), "num_workers": 0}})
+    return weights_run(root / "face", cfg, build_model("metric", cfg.model, 4).state_dict())

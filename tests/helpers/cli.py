@@ -91,19 +91,26 @@ def faces_dataset(tree: Path):
 
 
 def tree_hash(root: Path) -> str:
-    """Names, symlink targets and contents of everything under `root` (symlinks are not followed)."""
+    """Names, symlink targets and contents of everything under `root` (symlinks are not followed). Iterative, so a
+    tree of any depth is hashed (os.walk recurses once per level before Python 3.12)."""
     h = hashlib.sha256()
     if not root.exists():
         return "absent"
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(dirnames + filenames):
-            p = Path(dirpath, name)
-            h.update(str(p.relative_to(root)).encode() + b"\0")
+    todo = [root]
+    while todo:
+        d = todo.pop()
+        names = sorted(os.listdir(d))
+        subdirs = []
+        for name in names:
+            p = d / name
+            h.update(str(p.relative_to(root)).encode("utf-8", "surrogateescape") + b"\0")
             if p.is_symlink():
-                h.update(b"L" + os.readlink(p).encode())
+                h.update(b"L" + os.fsencode(os.readlink(p)))
             elif p.is_file():
                 h.update(b"F" + p.read_bytes())
+            elif p.is_dir():
+                subdirs.append(p)
+        todo.extend(reversed(subdirs))
     return h.hexdigest()
 
 

@@ -9,7 +9,7 @@ from vtrain.config.model import MIN_DETECTION_SIZE, NECK_NORMS, ModelConfig
 from vtrain.config.optim import OptimConfig
 from vtrain.config.parallel import PRECISIONS, ParallelConfig
 from vtrain.config.run import (_SECTION_CLASSES, CONFIG_ONLY, FLAG_SECTIONS, TASK_DEFAULTS, TASKS, RunConfig,
-                               build_config, check_neck_batch, check_paths, config_from_flags, flag_of,
+                               build_config, check_neck_batch, check_paths, check_resize, config_from_flags, flag_of,
                                load_run_config, options, resolve)
 from vtrain.config.train import TrainConfig
 from vtrain.config_values import read_yaml
@@ -18,5 +18,5 @@ from vtrain.errors import ConfigError
 __all__ = ["CONFIG_ONLY", "DEFAULT_MAX_IMAGE_PIXELS", "DEMO_DATA", "FLAG_SECTIONS", "MAX_IMAGE_PIXELS_CEILING",
            "MIN_DETECTION_SIZE", "NECK_NORMS", "PRECISIONS", "TASKS", "TASK_DEFAULTS", "_SECTION_CLASSES",
            "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "Option", "ParallelConfig", "RunConfig",
-           "TrainConfig", "build_config", "check_neck_batch", "check_paths", "config_from_flags", "flag_of", "load_run_config", "options",
-           "read_yaml", "resolve"]
+           "TrainConfig", "build_config", "check_neck_batch", "check_paths", "check_resize", "config_from_flags",
+           "flag_of", "load_run_config", "options", "read_yaml", "resolve"]

@@ -61,6 +61,7 @@ class DataConfig(Section):
     (docs/input_limits.md); also on `eval` and `predict`."""
 
     def __post_init__(self) -> None:
+        self._check_text()
         check = self._check
         check(0 <= self.num_workers <= 256, "num_workers", f"must be in 0..256, got {self.num_workers}")
         if self.val_targets is not None:  # `lfw, agedb_30` from a flag or YAML; also built directly by `vtrain eval`

@@ -63,6 +63,16 @@ class Section:
         if not cond:
             fail(type(self), name, msg)
 
+    def _check_text(self) -> None:
+        """No text value of the section is empty (or blank): `--output-dir "$OUT"` with OUT unset passes '', which a
+        path would take for the current directory, and an optional value ('' for --pretrained or --resume) would be
+        silently ignored. Each section's checks start with this one (a list or a number is not text)."""
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, str) and not value.strip():
+                fail(type(self), f.name, f"must not be empty, got {value!r} (an unset shell variable?); leave the "
+                     "option out for its default")
+
 
 def choices(hint: Any) -> tuple[str, ...] | None:
     """The values of a `Literal[...]` type (also inside `X | None`), else None."""

@@ -115,6 +115,7 @@ class ModelConfig(Section):
     """Load whatever tensors of --pretrained match, however few (the match share is still reported)."""
 
     def __post_init__(self) -> None:
+        self._check_text()
         check = self._check
         check(self.image_size >= 32 and self.image_size % 16 == 0, "image_size",
               f"must be a multiple of 16 and >= 32, got {self.image_size}")

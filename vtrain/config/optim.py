@@ -43,6 +43,7 @@ class OptimConfig(Section):
     The log states the stem, last-block and head LRs. Unset: no decay."""
 
     def __post_init__(self) -> None:
+        self._check_text()
         check = self._check
         check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         check(self.weight_decay >= 0, "weight_decay", "must be >= 0")

@@ -30,6 +30,7 @@ class ParallelConfig(Section):
     """FSDP2: free the gathered parameters after each block's forward (ZeRO-3 style; false keeps them, ZeRO-2)."""
 
     def __post_init__(self) -> None:
+        self._check_text()
         self._check(self.mixed_precision in PRECISIONS, "mixed_precision", f"choose one of {PRECISIONS}")
         self._check(self.ds_config is None or not self.fsdp, "fsdp",
                     "cannot be combined with --ds-config (choose DeepSpeed or FSDP)")

@@ -16,7 +16,7 @@ import yaml
 
 from vtrain import recompute
 from vtrain.config.data import DataConfig
-from vtrain.config.fields import CLI_CHOICE, Option, fail, flag, options_of, where
+from vtrain.config.fields import CLI_CHOICE, NO_FLAG, Option, fail, flag, options_of, where
 from vtrain.config.model import MIN_DETECTION_SIZE, ModelConfig
 from vtrain.config.optim import OptimConfig
 from vtrain.config.parallel import ParallelConfig
@@ -39,6 +39,21 @@ def check_neck_batch(neck_norm: str, batch_size: int) -> None:
              "--neck-norm ln for 1")
 
 
+def check_resize(image_size: int, max_size: int | None, size_from: str = "--image-size",
+                 flag: str | None = None) -> None:
+    """DINO's resize (training, evaluation and `vtrain predict`): the longest-side cap `max_size` (None: the recipe's
+    image_size x 1333 / 800) must lie above the short side `image_size`, which torchvision's Resize requires (it
+    refuses a cap at or below the size it scales the short side to). The one rule for `vtrain train` (flags and
+    YAML), a run's config.yaml reloaded by eval and predict, and their own --image-size / --max-size. `size_from`:
+    how the message names where the short side comes from; `flag`: how it names the cap (default: the config
+    field, `--max-size (data.max_size)`; eval and predict name their own flag)."""
+    if max_size is not None and max_size <= image_size:
+        msg = f"must be above the short side {image_size} ({size_from}), got {max_size}"
+        if flag is not None:
+            raise ConfigError(f"{flag}: {msg}")
+        fail(DataConfig, "max_size", msg)
+
+
 @dataclass
 class RunConfig:
     task: Task = field(default="metric", metadata=CLI_CHOICE)
@@ -49,6 +64,10 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False, metadata=NO_FLAG)
+    """Internal, not an option: the `section.key`s the run set itself (its --config file and flags), whatever their
+    values; a key not in it holds a default. `--pretrained` takes a checkpoint's model options only for keys the
+    run did not set (engine/pretrained.py): a value equal to vtrain's default is set all the same."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -79,6 +98,7 @@ class RunConfig:
             self.model._check(self.model.image_size >= MIN_DETECTION_SIZE, "image_size",
                               f"must be >= {MIN_DETECTION_SIZE} for detection (the coarsest DINO feature stride "
                               "is 64)")
+            check_resize(self.model.image_size, self.data.max_size)
 
     def _other_task_fields(self) -> list[tuple[Any, Any]]:
         """(section, field) of every option that applies only to the other task (fields.METRIC_ONLY, DINO_ONLY)."""
@@ -89,6 +109,7 @@ class RunConfig:
         """The config as config.yaml holds it: the options of this task (another task's are left out; they reload
         at their defaults, which is all this task can hold: `__post_init__`)."""
         d = asdict(self)
+        del d["given"]
         d["optim"]["betas"] = list(d["optim"]["betas"])
         for section, f in self._other_task_fields():
             del d[section.SECTION][f.name]
@@ -140,6 +161,7 @@ def resolve(task: str | None, file_values: dict[str, Any] | None = None,
     task = file_values.pop("task", None) if task is None else task
     task = task or "metric"
     merged: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_CLASSES}
+    given: set[str] = set()
     for source in (TASK_DEFAULTS.get(task, {}), file_values, overrides or {}):
         for section, values in source.items():
             if section == "task":
@@ -159,6 +181,8 @@ def resolve(task: str | None, file_values: dict[str, Any] | None = None,
                     coerce(v, hints[k], f"{file_name}{' ' if file_name.startswith('--') else ': '}{section}.{k}")
                 if v is not None:
                     merged[section][k] = v
+                    if source is not TASK_DEFAULTS.get(task):
+                        given.add(f"{section}.{k}")
     if not isinstance(task, str):
         raise ConfigError(f"{file_name}: task must be a string, got {shown(task)}")
     sections = {}
@@ -166,7 +190,7 @@ def resolve(task: str | None, file_values: dict[str, Any] | None = None,
         hints = typing.get_type_hints(cls)
         values = {k: coerce(v, hints[k], where(cls, k)) for k, v in merged[name].items()}
         sections[name] = cls(**values)
-    return RunConfig(task=task, **sections)
+    return RunConfig(task=task, **sections, given=frozenset(given))
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -189,8 +213,8 @@ def build_config(task: str | None, file_values: dict[str, Any] | None = None,
 def config_from_flags(flags: dict[str, Any]) -> RunConfig:
     """`vtrain train`'s config from its flags as the command line passes them (`--config` FILE, `--task`, one entry
     per field with a flag: None when unset, a choice as its value or an Enum member): task defaults < the file <
-    the flags (`resolve`), every path it names checked (`build_config`). The recipe files in configs/ are tested
-    through this."""
+    the flags (`resolve`), every path it names checked (`build_config`), nothing built. The recipe files in configs/
+    are tested through this, and the fuzz lane calls it with generated values."""
     flags = dict(flags)
     config = flags.pop("config", None)
     file_values = read_yaml(config) if config is not None else {}
@@ -201,7 +225,21 @@ def config_from_flags(flags: dict[str, Any]) -> RunConfig:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    """The config saved with a run (``config.yaml``), as it was written: its values checked, no path it names."""
+    """The config saved with a run (``config.yaml``), as it was written: its values checked, no path it names. An
+    empty optional value ('' for --pretrained, which a vtrain before the empty-value rule accepted and ignored) is
+    read as unset, what it meant then; a rule its values break is one error naming the file."""
     data = read_yaml(path, "checkpoint config")
     task = data.pop("task", "metric")
-    return resolve(task, data, file_name=f"checkpoint config {path}")
+    for section, cls in _SECTION_CLASSES.items():
+        values = data.get(section)
+        if isinstance(values, dict):
+            hints = typing.get_type_hints(cls)
+            data[section] = {k: None if v == "" and type(None) in typing.get_args(hints.get(k)) else v
+                             for k, v in values.items()}
+    name = f"checkpoint config {path}"
+    try:
+        return resolve(task, data, file_name=name)
+    except ConfigError as e:
+        if str(e).startswith(name):
+            raise
+        raise ConfigError(f"{name}: {e}") from None

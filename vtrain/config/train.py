@@ -80,6 +80,7 @@ class TrainConfig(Section):
     core). Results depend on it (docs/determinism.md §2); --deterministic records the count it runs with."""
 
     def __post_init__(self) -> None:
+        self._check_text()
         check = self._check
         check(self.epochs is None or self.epochs > 0, "epochs", f"must be > 0, got {self.epochs}")
         check(self.max_steps is None or self.max_steps > 0, "max_steps", f"must be > 0, got {self.max_steps}")

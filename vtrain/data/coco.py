@@ -24,10 +24,10 @@ from torchvision.transforms.v2 import functional as TF
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS
 from vtrain.data.coco_check import coco_from_dict
-from vtrain.data.coco_index import KIND, KIND_VERSION, gc_paused, parse_coco, write_targets
+from vtrain.data.coco_index import KIND, KIND_VERSION, check_index, gc_paused, parse_coco, write_targets
 from vtrain.data.images import decode_rgb
 from vtrain.data.index import Index, file_identity, open_index
-from vtrain.errors import VtrainError
+from vtrain.errors import BadSample, VtrainError
 from vtrain.records import loads
 
 MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics (MMD preprocessor 123.675/116.28/103.53, 58.395/57.12/57.375)
@@ -77,7 +77,8 @@ def coco_index(ann_file: Path) -> Index:
         source = {"annotations": file_identity(ann_file)}
     except OSError as e:
         raise VtrainError(f"{where} is not valid JSON ({e})") from None
-    return open_index(KIND, KIND_VERSION, source, lambda w: write_targets(w, parse_coco(ann_file, where), where))
+    return open_index(KIND, KIND_VERSION, source, lambda w: write_targets(w, parse_coco(ann_file, where), where),
+                      check_index)
 
 
 def missing_files(image_dir: Path, index: Index) -> tuple[int, str | None]:
@@ -153,6 +154,24 @@ def test_transforms(size: int, max_size: int) -> v2.Transform:
     return v2.Resize(size, max_size=max_size)
 
 
+def resize_cap(size: int, max_size: int, train: bool) -> int:
+    """The smallest longest-side cap the transforms above resize an image to: `max_size` at test time; in training
+    also the crop branch's first resize (4200 x size / 800), when smaller."""
+    return min(max_size, int(4200 * size / 800)) if train else max_size
+
+
+def check_resizable(height: int, width: int, cap: int, what: str) -> None:
+    """An image the resize can scale: with its long side capped at `cap` pixels its short side must stay at least 2
+    pixels (torchvision's Resize and RandomShortestSize make a side of 0 pixels, and fail, below 1; 2 leaves room
+    for their rounding), i.e. long side <= cap x short side / 2 (666:1 at the recipe's 1333). A longer strip (a
+    1 x 100000 image) is a BadSample naming it, before any transform: one error line, or skipped with
+    --skip-bad-images in training (docs/input_limits.md §11)."""
+    if 2 * max(height, width) > cap * min(height, width):
+        raise BadSample(f"cannot use image {what}: {width}x{height} pixels is too elongated for the detector's "
+                        f"resize (its long side capped at {cap} would leave the short side under 2 pixels; at most "
+                        f"{cap // 2}:1)")
+
+
 def normalize(img: torch.Tensor) -> torch.Tensor:
     """uint8 CHW image -> the float model input (ImageNet statistics)."""
     return TF.normalize(img.float().div_(255.0), MEAN, STD)
@@ -195,6 +214,7 @@ class CocoDetection(Dataset):
         if train and self.report.boxes == 0:
             raise VtrainError(f"{self.ann_file}: no usable boxes to train on ({self.report.summary('annotations')})")
         self.transforms = train_transforms(size, max_size) if train else test_transforms(size, max_size)
+        self.cap = resize_cap(size, max_size, train)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_coco": None}  # a worker needs the index's path, not pycocotools' object
@@ -235,12 +255,17 @@ class CocoDetection(Dataset):
     def read(self, idx: int) -> torch.Tensor:
         return decode_rgb(self.image_dir / self.index.strings("file_names")[idx], max_pixels=self.max_pixels)
 
+    def name_of(self, idx: int) -> str:
+        """How errors name image `idx`: its file."""
+        return str(self.image_dir / self.index.strings("file_names")[idx])
+
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, torch.Tensor]:
         # The sampler passes (epoch, index): the augmentation is seeded by both (in a forked RNG, so the
         # model's random state is untouched), so a resumed run sees the same samples as an uninterrupted one.
         epoch, idx = key if isinstance(key, tuple) else (0, key)
         img = self.read(idx)
         h0, w0 = img.shape[-2:]
+        check_resizable(h0, w0, self.cap, self.name_of(idx))
         xyxy, labels = self.targets[idx]
         boxes = tv_tensors.BoundingBoxes(torch.from_numpy(xyxy), format="XYXY", canvas_size=(h0, w0))
         with torch.random.fork_rng(devices=[]):

@@ -37,7 +37,8 @@ import msgspec
 import numpy as np
 
 from vtrain.data.coco_check import MAX_SIDE, coco_from_dict
-from vtrain.errors import VtrainError
+from vtrain.errors import VtrainError, shown
+from vtrain.records import MAX_CATEGORIES
 from vtrain.records import categories as check_categories
 from vtrain.records import loads
 
@@ -263,6 +264,35 @@ def write_targets(out: Any, r: Records, where: str) -> None:
         "images": n, "boxes": len(keep), "crowd": int(crowd.sum()), "clipped": int(clipped.sum()),
         "dropped_empty": int(empty.sum()), "dropped_nonfinite": int((known & ~crowd & ~finite).sum()),
         "unknown_image": int((~known).sum()), "images_without_boxes": int((counts == 0).sum())}
+
+
+def check_index(ix: Any) -> None:
+    """The layout of a COCO index (data/index.py `check`), as `write_targets` writes it: per image an id (sorted,
+    unique), a width and height in 1..MAX_SIDE, a file name and the start of its boxes (0 to the box count, never
+    going back); per box 4 finite coordinates and a label below the category count; the category ids sorted and
+    unique, with a name each; the report's counts."""
+    report = ix.expect_info("report", dict)
+    if sorted(report) != sorted(REPORT_KEYS) or not all(type(v) is int and v >= 0 for v in report.values()):
+        raise ix.damaged(f"meta.json's info.report is {shown(report)}, expected the counts {', '.join(REPORT_KEYS)}")
+    if ix.info.get("unknown_category") is not None:
+        ix.expect_info("unknown_category", str)
+    n = len(ix.expect("image_ids", "<i8", (None,)))
+    cats = len(ix.expect("cat_ids", "<i8", (None,)))
+    for name in ("width", "height"):
+        ix.expect(name, "<i4", (n,))
+        ix.within(name, 1, MAX_SIDE, "image sides")
+    ix.expect_strings("file_names", n)
+    ix.expect_strings("cat_names", cats)
+    start = ix.expect("box_start", "<i8", (n + 1,))
+    boxes = len(ix.expect("boxes", "<f4", (None, 4)))
+    ix.expect("labels", "<i4", (boxes,))
+    if start[0] != 0 or start[-1] != boxes or not ix.sorted("box_start"):
+        raise ix.damaged(f"box_start does not run from 0 to its {boxes} boxes in order")
+    if not (ix.sorted("image_ids", strict=True) and ix.sorted("cat_ids", strict=True)) or cats > MAX_CATEGORIES:
+        raise ix.damaged(f"its image or category ids are not sorted and unique, or more than {MAX_CATEGORIES} "
+                         "categories")
+    ix.within("boxes", -MAX_SIDE, MAX_SIDE, "box coordinates")
+    ix.within("labels", 0, cats - 1, f"the labels of {cats} categories")
 
 
 class MemoryIndex:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, DataConfig
 from vtrain.data.images import decode_rgb  # noqa: F401  (the face sets' decoder; also imported from here)
-from vtrain.data.index import IndexWriter, open_index
+from vtrain.data.index import Index, IndexWriter, open_index
 from vtrain.data.labels import check_labels
 from vtrain.errors import BadSample, VtrainError, shown
 
@@ -119,8 +120,8 @@ class FaceFolder(FaceSamples):
     """root/<identity>/<image>; labels are the sorted identity folder indices.
 
     The file list and labels are a memory-mapped index in the data cache (data/index.py), built by the first scan
-    of the tree and reused while the identity folders' listing is unchanged (`folder_identity`): every rank and
-    worker reads the same index, a worker receives its folder's path, and nothing here grows with the tree."""
+    of the tree and reused while a walk of the tree sees the same files (`folder_identity`): every rank and worker
+    reads the same index, a worker receives its folder's path, and nothing here grows with the tree."""
 
     def __init__(self, root: str | Path, image_size: int, train: bool = True, seed: int = 0,
                  skip_bad: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
@@ -128,7 +129,7 @@ class FaceFolder(FaceSamples):
         self.max_pixels = max_pixels
         source = folder_identity(self.root)
         self.index = open_index("folders", FOLDER_INDEX_VERSION, source,
-                                lambda w: _build_folder_index(w, self.root))
+                                lambda w: _build_folder_index(w, self.root, source), _check_folder_index)
         info = self.index.info
         if info["empty"] and not skip_bad:
             raise BadSample(f"--data: {info['empty']} empty image files under {self.root}, e.g. "
@@ -186,29 +187,63 @@ class FolderSamples(Sequence):
         return self.folder.path(i), int(self.folder.index.array("labels")[i])
 
 
-FOLDER_INDEX_VERSION = 1  # the layout of an identity-folder index: raise it when the arrays change
+FOLDER_INDEX_VERSION = 2  # the layout of an identity-folder index: raise it when the arrays or the key change
 
 
 def folder_identity(root: Path) -> dict[str, Any]:
-    """What an identity tree's index is keyed by: its resolved path and the names and modification times of its
-    identity folders. Adding, removing or renaming an image directly in an identity folder, or an identity folder,
-    changes it (a new index); a change deeper down (inside a subfolder of an identity) or a file rewritten in
-    place does not: delete the index folder (or touch the identity folder) after such an edit."""
+    """What an identity tree's index is keyed by: what a walk of the whole tree sees, as the build walks it. Every
+    image file's path, size, mtime, ctime and inode (a `stat` each, as the build needs for the empty ones) and the
+    identity folders' names, folded into one SHA-256, so any change the index would reflect gives a new index:
+    an image added, removed, renamed or moved at any depth, an identity renamed, an empty file filled or a file
+    emptied, also with its mtime put back (ctime cannot be). Errors of the walk (a symlink loop, an unreadable
+    folder) are raised here, before anything is built."""
+    h = hashlib.sha256()
+    classes = _identities(root)
+    files = 0
+    for rel, _, st in walk_identity_tree(root, classes):
+        _fold(h, rel, st)
+        files += 1
+    _fold_identities(h, classes)
+    return {"root": str(root.resolve()), "identities": len(classes), "files": files, "tree_sha256": h.hexdigest()}
+
+
+def _fold(h: Any, rel: str, st: os.stat_result) -> None:
+    h.update(b"%s\0%d %d %d %d\n" % (os.fsencode(rel), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+
+
+def _fold_identities(h: Any, classes: list[str]) -> None:
+    for name in classes:
+        h.update(b"identity %s\n" % os.fsencode(name))
+
+
+def _identities(root: Path) -> list[str]:
     try:
-        dirs = sorted((e.name, e.stat().st_mtime_ns) for e in os.scandir(root) if e.is_dir())
+        with os.scandir(root) as it:
+            return sorted(e.name for e in it if e.is_dir())
     except OSError as e:
         raise VtrainError(f"--data: cannot read {root} ({e.strerror})") from None
+
+
+def _build_folder_index(w: IndexWriter, root: Path, source: dict[str, Any]) -> None:
+    classes = _identities(root)
+    labels, empty, seen = array("i"), [], [0]
     h = hashlib.sha256()
-    for name, mtime in dirs:
-        h.update(f"{name}\0{mtime}\n".encode("utf-8", "surrogateescape"))
-    return {"root": str(root.resolve()), "mtime_ns": root.stat().st_mtime_ns, "identities": len(dirs),
-            "listing_sha256": h.hexdigest()}
 
+    def images() -> Iterator[str]:
+        for rel, label, st in walk_identity_tree(root, classes):
+            _fold(h, rel, st)
+            seen[0] += 1
+            if st.st_size == 0:
+                empty.append(rel)
+            else:
+                labels.append(label)
+                yield rel
 
-def _build_folder_index(w: IndexWriter, root: Path) -> None:
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
-    labels, empty = array("i"), []
-    w.strings("paths", scan_identity_tree(root, classes, labels, empty))
+    w.strings("paths", images())
+    _fold_identities(h, classes)
+    if h.hexdigest() != source["tree_sha256"] or seen[0] != source["files"]:
+        # the tree changed between the walk that made the key and this one: the index would not be of the key
+        raise VtrainError(f"--data: {root} changed while it was being indexed; run again once it is settled")
     w.strings("classes", classes)
     w.strings("empty", empty)
     lab = np.frombuffer(labels, np.int32) if labels else np.zeros(0, np.int32)
@@ -218,40 +253,68 @@ def _build_folder_index(w: IndexWriter, root: Path) -> None:
     w.info.update(images=len(labels), classes=len(classes), empty=len(empty))
 
 
-def scan_identity_tree(root: Path, classes: list[str], labels: array, empty: list[str]) -> Iterator[str]:
-    """root/<identity>/**/<image>: yields each image's path relative to root, appending its class id (the index of
-    its identity in `classes`) to `labels`; empty files are left out and listed in `empty`.
+def _check_folder_index(ix: Index) -> None:
+    """The layout of an identity-folder index (data/index.py `check`): counts, string columns of those lengths,
+    int32 labels below the identity count."""
+    images, classes = ix.expect_info("images", int, 0), ix.expect_info("classes", int, 0)
+    ix.expect_strings("paths", images)
+    ix.expect_strings("classes", classes)
+    ix.expect_strings("empty", ix.expect_info("empty", int, 0))
+    ix.expect("labels", "<i4", (images,))
+    ix.within("labels", 0, classes - 1, f"the labels of {classes} identities")
 
+
+def walk_identity_tree(root: Path, classes: list[str]) -> Iterator[tuple[str, int, os.stat_result]]:
+    """root/<identity>/**/<image>: (path relative to root, class id, stat) of every image file (torchvision's
+    extensions), identity by identity, each folder's entries in name order, depth first.
+
+    Iterative (a stack of folder listings), so a tree of any depth is walked without Python's recursion limit.
     Directory symlinks are followed, but a directory reached twice (a symlink loop, or two identities that are
-    the same folder) is an error: it would silently multiply an identity or give its images two labels."""
-    seen: dict[tuple[int, int], Path] = {}
+    the same folder) is an error: it would silently multiply an identity or give its images two labels. A folder
+    that cannot be listed (permissions, a path beyond the system's length limit) is one error naming it."""
+    seen: dict[tuple[int, int], str] = {}
     exts = tuple(IMG_EXTENSIONS)
 
-    def walk(d: Path, rel: str, label: int) -> Iterator[str]:
-        st = d.stat()
-        if (st.st_dev, st.st_ino) in seen:
-            raise VtrainError(f"--data: {d} is the same directory as {seen[(st.st_dev, st.st_ino)]} (a symlink loop "
-                              "or a duplicated identity); remove the link")
-        seen[(st.st_dev, st.st_ino)] = d
-        entries = sorted(os.scandir(d), key=lambda e: e.name)
-        for e in entries:
-            if e.is_dir():
-                yield from walk(Path(e.path), f"{rel}{e.name}/", label)
-            elif e.is_file() and e.name.lower().endswith(exts):
-                if e.stat().st_size == 0:
-                    empty.append(rel + e.name)
-                else:
-                    labels.append(label)
-                    yield rel + e.name
+    def listing(d: str) -> list[os.DirEntry]:
+        try:
+            st = os.stat(d)
+            if (st.st_dev, st.st_ino) in seen:
+                raise VtrainError(f"--data: {d} is the same directory as {seen[(st.st_dev, st.st_ino)]} (a symlink "
+                                  "loop or a duplicated identity); remove the link")
+            seen[(st.st_dev, st.st_ino)] = d
+            with os.scandir(d) as it:
+                return sorted(it, key=lambda e: e.name, reverse=True)  # popped from the end: name order
+        except OSError as e:
+            raise VtrainError(f"--data: cannot read the folder {shown(d, 200)} ({e.strerror or e})") from None
 
     for label, name in enumerate(classes):
-        yield from walk(root / name, f"{name}/", label)
+        stack = [(listing(os.path.join(root, name)), f"{name}/")]
+        while stack:
+            entries, rel = stack[-1]
+            if not entries:
+                stack.pop()
+                continue
+            e = entries.pop()
+            try:
+                if e.is_dir():
+                    stack.append((listing(e.path), f"{rel}{e.name}/"))
+                elif e.name.lower().endswith(exts) and e.is_file():
+                    yield rel + e.name, label, e.stat()
+            except OSError as err:  # vanished, or a link to nothing readable
+                raise VtrainError(f"--data: cannot read {shown(e.path, 200)} ({err.strerror or err})") from None
 
 
 def read_pairs(path: Path) -> list[tuple[str, str, bool]]:
-    """`path1 path2 label` per line (label 1 = same identity); relative paths are relative to the file."""
+    """`path1 path2 label` per line (label 1 = same identity); relative paths are relative to the file. The file is
+    read as bytes and its names kept as the bytes they are (file names need not be UTF-8: surrogateescape, as
+    Python's os functions take them); a line naming no readable file (NUL inside, too long for the system) is
+    "image not found" like a missing one."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8", "surrogateescape")
+    except OSError as e:
+        raise VtrainError(f"cannot read the pairs file {path} ({e.strerror or e})") from None
     pairs = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         parts = line.split()
@@ -259,9 +322,16 @@ def read_pairs(path: Path) -> list[tuple[str, str, bool]]:
             raise VtrainError(f"{path}:{n}: expected 'path1 path2 0|1', got {shown(line)}")
         a, b = (str(p if Path(p).is_absolute() else Path(path).parent / p) for p in parts[:2])
         for p in (a, b):
-            if not Path(p).is_file():
-                raise VtrainError(f"{path}:{n}: image not found: {p}")
+            if not _is_file(p):
+                raise VtrainError(f"{path}:{n}: image not found: {shown(p, 200)}")
         pairs.append((a, b, parts[2] == "1"))
     if not any(s for *_, s in pairs) or all(s for *_, s in pairs):
         raise VtrainError(f"{path}: needs both genuine (1) and impostor (0) pairs")
     return pairs
+
+
+def _is_file(p: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(p).st_mode)
+    except (OSError, ValueError):  # missing, a name too long, a NUL in it
+        return False

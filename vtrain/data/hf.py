@@ -273,3 +273,6 @@ class HfDetection(CocoDetection):
 
     def read(self, idx: int) -> torch.Tensor:
         return decode_rgb(self.images[int(self.rows[idx])], max_pixels=self.max_pixels)
+
+    def name_of(self, idx: int) -> str:
+        return f"{self.ann_file} row {int(self.rows[idx])}"

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vtrain.data.index import IndexWriter, file_identity, open_index
-from vtrain.errors import VtrainError
+from vtrain.data.index import Index, IndexWriter, file_identity, open_index
+from vtrain.errors import VtrainError, shown
 
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
@@ -125,7 +125,8 @@ class RecordReader:
         self.size = self.rec_path.stat().st_size
         source = {"rec": file_identity(self.rec_path), "idx": file_identity(self.idx_path)}
         self.index = open_index("recordio", INDEX_VERSION, source,
-                                lambda w: _build_index(w, self.idx_path, self.rec_path, source["rec"]["size"]))
+                                lambda w: _build_index(w, self.idx_path, self.rec_path, source["rec"]["size"]),
+                                lambda ix: _check_index(ix, source["rec"]["size"]))
         self.count: int = self.index.info["lines"]
         """Lines of the .idx (a key listed twice counts twice)."""
         self.key_start: int | None = self.index.info["key_start"]
@@ -234,6 +235,21 @@ def _build_index(w: IndexWriter, idx: Path, rec: Path, rec_size: int) -> None:
     w.info.update(lines=len(keys), key_start=None)
     w.array("keys", keys)
     w.array("offsets", offsets)
+
+
+def _check_index(ix: Index, rec_size: int) -> None:
+    """The layout of a RecordIO index (data/index.py `check`): `lines` offsets inside the .rec, and either the first
+    of consecutive keys or the keys themselves, sorted."""
+    lines = ix.expect_info("lines", int, 1)
+    start = ix.expect_info("key_start", (int, type(None)))
+    ix.expect("offsets", "<i8", (lines,))
+    ix.within("offsets", 0, rec_size - 8, f"record offsets of a {rec_size}-byte .rec")
+    if start is None:
+        ix.expect("keys", "<i8", (lines,))
+        if not ix.sorted("keys"):
+            raise ix.damaged("its keys are not sorted")
+    elif not -(2**63) <= start <= 2**63 - lines:
+        raise ix.damaged(f"meta.json's info.key_start {shown(start)} + {lines} keys is beyond int64")
 
 
 def _consecutive(keys: np.ndarray, block: int = 1 << 22) -> bool:

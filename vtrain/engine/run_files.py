@@ -226,7 +226,7 @@ def _is_config(path: Path) -> bool:
         data = yaml.safe_load(head.decode()) if head else None
     except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
         return False
-    sections = {f.name for f in fields(RunConfig)}
+    sections = {f.name for f in fields(RunConfig) if f.name != "given"}  # (given: internal, never written)
     return (isinstance(data, dict) and set(data) == sections and isinstance(data.get("train"), dict)
             and all(isinstance(data[k], dict) for k in sections - {"task"}) and "output_dir" in data["train"])
 

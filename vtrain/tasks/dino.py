@@ -11,7 +11,7 @@ import torch
 from rich.table import Table
 from torch.utils.data import DataLoader, Subset
 
-from vtrain.config import MIN_DETECTION_SIZE, RunConfig
+from vtrain.config import MIN_DETECTION_SIZE, RunConfig, check_resize
 from vtrain.console import tracked
 from vtrain.data.coco import CocoDetection, collate
 from vtrain.data.demo import data_root
@@ -79,9 +79,7 @@ def chosen_test_sizes(image_size: int | None, max_size: int | None, run_size: in
         return test_sizes(run_size, run_max)
     size = run_size if image_size is None else image_size
     longest = test_sizes(size, None)[1] if max_size is None else max_size
-    if longest <= size:  # torchvision's Resize needs the cap above the short side
-        named = "--image-size" if image_size is not None else "the run's --image-size"
-        raise VtrainError(f"--max-size: must be above the short side {size} ({named}), got {longest}")
+    check_resize(size, longest, "--image-size" if image_size is not None else "the run's --image-size", "--max-size")
     return size, longest
 
 

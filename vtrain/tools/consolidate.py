@@ -237,8 +237,13 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
         raise VtrainError(f"OUT {out} is a directory; give a file name ending in .safetensors or .pt")
     # never into a checkpoint; an existing OUT, its index or shards of an earlier sharded run only with --overwrite
     shards = sorted(out.parent.glob(f"{glob.escape(out.stem)}-*-of-*{out.suffix}"))
+    # what it reads: a vtrain run or checkpoint only in its checkpoints (the rule above covers them); any other
+    # folder (DeepSpeed's, Accelerate's) in every file; a file itself
+    src_path = Path(path)
+    reads = [] if src_path.is_dir() and ckpt.find(src_path) is not None else \
+        [guarded.Read("CKPT", src_path, folder=src_path.is_dir())]
     guarded.claim_output([out, out.parent / f"{out.name}.index.json", *shards], overwrite, "OUT",
-                         ckpt.inside_checkpoint)
+                         ckpt.inside_checkpoint, reads)
     enforce_weights_only()  # DeepSpeed's checkpoint files hold its own types (safeio.py)
     if best:
         path = best_checkpoint(path, "CKPT")

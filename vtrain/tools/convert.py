@@ -98,6 +98,8 @@ def convert(src: str | Path, out: str | Path, source: str, preset: str | None = 
     if categories is not None and spec.task != "dino":
         raise VtrainError(f"--categories: names the classes of a detector; --from {source} is a face model")
     replaced = claim(out, overwrite)
+    reads = [guarded.Read("SRC", src)] + ([guarded.Read("--categories", Path(categories))] if categories else [])
+    guarded.check_not_input([], reads, "OUT", replaced=[out] if replaced else [])
     given = read_categories_file(Path(categories)) if categories is not None else None
     if not src.is_file():
         raise VtrainError(f"SRC: {src} is not a file")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from vtrain import guarded
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING, DataConfig, RunConfig, load_run_config
@@ -87,6 +88,19 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     return LoadedModel(path, cfg, saved, model, device, ckpt.read_categories(path), used)
 
 
+def _reads(task: Any) -> list[guarded.Read]:
+    """What a detection evaluation reads: its annotation file and the images of its image folder (a Hugging Face
+    set: every file of its folder, or its parquet file)."""
+    if getattr(task, "hf", None) is not None:
+        p = Path(task.cfg.data.path[3:])
+        return [guarded.Read("--data", p, folder=p.is_dir())]
+    paths = getattr(task, "paths", None)
+    if paths is None or paths.val_ann is None:
+        return []
+    return [guarded.Read("--val-ann", paths.val_ann),
+            guarded.Read("--val-images", paths.val_images, folder=True, suffixes=tuple(IMG_EXTENSIONS))]
+
+
 # `vtrain eval` data flags that only one task's evaluation reads (DataConfig field, flag)
 TASK_FLAGS = {"metric": (("val_path", "--val-data"), ("pairs_file", "--pairs"), ("val_targets", "--val-targets")),
               "dino": (("val_ann", "--val-ann"), ("val_images", "--val-images"))}
@@ -140,6 +154,8 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     cfg = replace(cfg, data=data,
                   train=replace(cfg.train, batch_size=cfg.train.batch_size if batch_size is None else batch_size))
     task = build_task(cfg)
+    if save_predictions:  # now that the data it reads is known: never written over, even with --overwrite
+        guarded.check_not_input([Path(save_predictions)], _reads(task), "--save-predictions")
     if cfg.task == "dino":
         task.set_test_sizes(*chosen_test_sizes(image_size, max_size, cfg.model.image_size, cfg.data.max_size))
         if loaded.categories is not None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from vtrain import recompute
 from vtrain.config import NECK_NORMS, ModelConfig, build_config, check_neck_batch, read_yaml
-from vtrain.ds_json import bucket_sizes, explicit_16bit, read_json, zero_settings
+from vtrain.ds_json import bucket_sizes, check_structure, explicit_16bit, read_json, zero_settings
 from vtrain.engine.plan import resolve_precision
 from vtrain.errors import VtrainError
 from vtrain.memory.setup import Setup, run_setup
@@ -18,6 +18,7 @@ from vtrain.tasks.dino import test_sizes
 def _ds_fields(path: str) -> dict[str, Any]:
     """The Setup fields a DeepSpeed JSON decides (ds_json.py reads it as the training run does)."""
     raw = read_json(path, "--ds-config: cannot read {path} ({error})")
+    check_structure(raw, path)  # what training's config validation checks, before any value is read
     zero = zero_settings(raw)
     offload = "all" if zero.offload_params else ("optimizer" if zero.offload_optimizer else "none")
     return {"zero": zero.stage, "offload": offload, "ds_buckets": bucket_sizes(raw), "overlap_comm": zero.overlap_comm,

@@ -35,7 +35,7 @@ from torchvision.utils import draw_bounding_boxes
 
 from vtrain import guarded
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING
-from vtrain.data.coco import collate, load_coco, normalize, test_transforms
+from vtrain.data.coco import check_resizable, collate, load_coco, normalize, test_transforms
 from vtrain.data.faces import load_image
 from vtrain.data.images import decode_rgb
 from vtrain.data.workers import worker_options
@@ -166,6 +166,14 @@ def _batches(loader: DataLoader, progress: Progress):
             progress.advance(progress.task_ids[0], len(batch["index"]))
 
 
+def _reads(found: list[tuple[Path, str]], ann: str | None = None,
+           onnx: str | Path | None = None) -> list[guarded.Read]:
+    """What predict reads besides the checkpoint (whose files no output may be, guarded.claim_output): the images,
+    the --ann file and the --onnx file."""
+    return ([guarded.Read("--images", f) for f, _ in found] + ([guarded.Read("--ann", Path(ann))] if ann else [])
+            + ([guarded.Read("--onnx", Path(onnx))] if onnx else []))
+
+
 def _output(out: Path, is_dir: bool) -> None:
     if is_dir and out.exists() and not out.is_dir():
         raise VtrainError(f"--out: {out} exists and is not a folder")
@@ -219,7 +227,8 @@ def predict_detection(checkpoint: str | Path | None, inputs: list[str], out: str
     if len(set(outputs)) != len(outputs):
         dup = next(o for o in outputs if outputs.count(o) > 1)
         raise VtrainError(f"--images: two inputs would both be written to {dup}; give them separately")
-    guarded.claim_output([*outputs, out / "predictions.json"], overwrite, "--out", ckpt.inside_checkpoint)
+    guarded.claim_output([*outputs, out / "predictions.json"], overwrite, "--out", ckpt.inside_checkpoint,
+                         _reads(found, ann, onnx))
     coco = load_coco(ann) if ann else None
     image_ids = _image_ids(names, coco, ann) if coco is not None else list(range(1, len(names) + 1))
 
@@ -244,7 +253,7 @@ def predict_detection(checkpoint: str | Path | None, inputs: list[str], out: str
                           f"({'--ann ' + str(ann) if not known else source})")
     cat_ids = [c["id"] for c in categories]
     size, max_size = chosen_test_sizes(image_size, max_size, *run_size)
-    load = _DetectionInput(test_transforms(size, max_size), _max_pixels(max_pixels, saved))
+    load = _DetectionInput(test_transforms(size, max_size), _max_pixels(max_pixels, saved), max_size)
     loader = _loader([f for f, _ in found], load, batch_size, num_workers, _collate_with_originals, device)
     dets: list[dict[str, Any]] = []
     kept = 0
@@ -279,13 +288,15 @@ class _TorchDetector:
 
 
 class _DetectionInput:
-    """One input image for detection: evaluation's test-time resize and normalisation, and the original to draw on."""
+    """One input image for detection: evaluation's test-time resize and normalisation, and the original to draw on.
+    An image too elongated for the resize is refused, naming it, as evaluation refuses it (data/coco.py)."""
 
-    def __init__(self, resize: Callable, max_pixels: int) -> None:
-        self.resize, self.max_pixels = resize, max_pixels
+    def __init__(self, resize: Callable, max_pixels: int, cap: int) -> None:
+        self.resize, self.max_pixels, self.cap = resize, max_pixels, cap
 
     def __call__(self, path: Path) -> dict[str, Any]:
         img = decode_rgb(path, max_pixels=self.max_pixels)
+        check_resizable(*img.shape[-2:], self.cap, str(path))
         return {"images": normalize(self.resize(tv_tensors.Image(img))), "original": img,
                 "boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long), "image_id": torch.tensor(0),
                 "orig_size": torch.tensor(img.shape[-2:])}
@@ -329,8 +340,8 @@ def predict_embeddings(checkpoint: str | Path, inputs: list[str], out: str | Pat
     """Evaluation's embeddings of every input image, written to one safetensors file (see the module docstring)."""
     out = Path(out)
     _output(out, is_dir=False)
-    guarded.claim_output([out], overwrite, "--out", ckpt.inside_checkpoint)
     found = find_images(inputs)
+    guarded.claim_output([out], overwrite, "--out", ckpt.inside_checkpoint, _reads(found))
     loaded = load_model(checkpoint, "metric")
     model, device, size = loaded.model, loaded.device, loaded.cfg.model.image_size
     loader = _loader([f for f, _ in found], _EmbeddingInput(size, _max_pixels(max_pixels, loaded.saved_data)),
