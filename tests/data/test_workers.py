@@ -161,6 +161,11 @@ def test_a_process_that_exits_with_live_workers_ends(tmp_path, kind):
         proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(EXIT_WITH_LIVE_WORKERS), kind], cwd=ROOT,
                                 env=script_env(), stdout=o, stderr=e, start_new_session=True)
         try:
+            if kind != "vtrain":  # the 20 s of the control count from its exit, not from a start slowed by load
+                deadline = time.monotonic() + 120
+                while "exiting" not in (tmp_path / "out").read_text() and proc.poll() is None \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.2)
             rc = proc.wait(timeout=120 if kind == "vtrain" else 20)  # bounds on a hang, not speed requirements
         except subprocess.TimeoutExpired:
             rc = None
