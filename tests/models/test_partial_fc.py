@@ -57,7 +57,12 @@ def _sharded(rank, world, kind, sample_rate):
     out["loss"].backward()
     # the embedding gradient carries the factor W that undoes the engines' gradient averaging
     used = torch.arange(n) if head.last_index is None else head.last_index
-    return out["loss"].detach(), mine.grad / world, head.weight.grad, used + start
+    w_grad = head.weight.grad
+    if w_grad is None:  # sampling: the sampled rows' own leaf holds their gradient
+        w_grad = torch.zeros_like(head.weight)
+        for rows, leaf in head.pending:
+            w_grad.index_add_(0, rows, leaf.grad)
+    return out["loss"].detach(), mine.grad / world, w_grad, used + start
 
 
 def _worker(rank, port, q):
@@ -165,13 +170,13 @@ def test_sampled_update_matches_torch_adamw_on_the_rows_it_steps():
 
 
 def test_dense_update_is_torch_adamw_bit_for_bit_and_goes_on_from_sampled_steps(tmp_path):
-    """`dense`: every row steps with torch AdamW's own operations (bit-equal weights and moments, the rows with a
-    zero gradient decayed and moved by their momentum). A checkpoint of a `sampled` run (rows with different step
+    """`dense`: every row steps with torch's own AdamW (its fused kernel: bit-equal weights and moments, the rows
+    with a zero gradient decayed and moved by their momentum). A checkpoint of a `sampled` run (rows with different step
     counts, the only kind earlier versions wrote) goes on under `dense` with each row's own bias correction."""
     cfg = _cfg("dense", lr=0.01, weight_decay=0.1)
     head = ShardedHead(cfg, C, 0, 1, torch.device("cpu"))
     ref = torch.nn.Parameter(head.fc.weight.detach().clone())
-    opt = torch.optim.AdamW([ref], lr=0.01, weight_decay=0.1, betas=cfg.optim.betas)
+    opt = torch.optim.AdamW([ref], lr=0.01, weight_decay=0.1, betas=cfg.optim.betas, fused=True)
     g = torch.Generator().manual_seed(2)
     for factor in (1.0, 0.5, 0.25):
         grad = torch.randn(C, D, generator=g)
@@ -209,27 +214,26 @@ def test_dense_update_is_torch_adamw_bit_for_bit_and_goes_on_from_sampled_steps(
 
 
 def test_sampled_gradient_is_the_sampled_rows_summed_over_micro_batches():
-    """Under `sampled` the head's gradient never exists at the shard's size: each micro-batch's sampled rows are a
+    """With sampling the head's gradient never exists at the shard's size: each micro-batch's sampled rows are a
     leaf of their own; the window's gradient is their union with a twice-sampled row's gradients summed, which is
-    what clipping, the finiteness check and the update read."""
-    cfg = RunConfig(task="metric", model=ModelConfig(embedding_dim=D, head_parallel="sharded", sample_rate=0.3,
-                                                     head_update="sampled"))
-    dense_cfg = RunConfig(task="metric", model=ModelConfig(embedding_dim=D, head_parallel="sharded",
-                                                           sample_rate=0.3))
-    heads = [ShardedHead(c, 50, 0, 1, torch.device("cpu")) for c in (cfg, dense_cfg)]
+    what clipping, the finiteness check and the update read. Reference: autograd through `weight[index]` (as
+    arcface_torch indexes its weight), a gradient over the whole shard."""
+    cfg = RunConfig(task="metric", model=ModelConfig(embedding_dim=D, head_parallel="sharded", sample_rate=0.3))
+    heads = [ShardedHead(cfg, 50, 0, 1, torch.device("cpu")) for _ in range(2)]
     heads[1].fc.weight.data.copy_(heads[0].fc.weight.data)
+    heads[1].fc.rows = lambda index: heads[1].fc.weight[index]  # the reference's indexing
     emb, labels = torch.randn(2, 4, D), torch.tensor([[3, 7, 7, 40], [7, 12, 3, 3]])
     for head in heads:
         torch.manual_seed(5)
         for micro in range(2):
             head.loss({"embedding": emb[micro]}, labels[micro])["loss"].backward()
-    sampled, dense = heads
+    sampled, reference = heads
     assert sampled.fc.weight.grad is None and [leaf.shape[0] for _, leaf in sampled.fc.pending] == [15, 15]
     windows = torch.cat([r for r, _ in sampled.fc.pending])
     rows, grad = sampled.grad()
     assert rows.tolist() == sorted(set(windows.tolist()))
     assert grad.shape == (len(rows), D) and len(rows) < 30  # the two windows' samples overlap (3 and 7)
-    want = dense.fc.weight.grad
+    want = reference.fc.weight.grad
     assert torch.allclose(grad, want[rows], atol=1e-7) and not want[~torch.isin(torch.arange(50), rows)].any()
     assert torch.allclose(sampled.grad_sq_norm(), (want ** 2).sum(), rtol=1e-6)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.optim.adamw import adamw
 
 from vtrain.config import RunConfig
 from vtrain.dist import all_sum, all_true
@@ -42,7 +43,8 @@ class ShardedHead:
             raise VtrainError(f"--head-parallel sharded: {num_classes} identities cannot be split over {world} "
                               "processes")
         self.fc = PartialFC(m.embedding_dim, num_classes, m.head, m.margin, m.scale, m.sample_rate, rank, world,
-                            m.arcface_grad, m.head_update).to(device)
+                            m.arcface_grad).to(device)
+        self.update = m.head_update
         self.lr, self.weight_decay, self.betas = o.lr, o.weight_decay, o.betas
         w = self.fc.weight
         self.exp_avg = torch.zeros_like(w, memory_format=torch.contiguous_format)
@@ -50,6 +52,9 @@ class ShardedHead:
         self.row_steps = torch.zeros(self.fc.num_local, dtype=torch.int64, device=device)
         self.uniform_step: int | None = 0  # every row's step count when they are all equal (dense), else None
         self._sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # merged (rows, gradient), `sampled`
+        # `dense` with sampling: the whole shard's gradient for AdamW, zero but on the rows sampled in a step (they
+        # are written in before the update and zeroed after it: the cost of keeping it follows the sampled rows)
+        self._dense_grad = torch.zeros_like(w) if self.update == "dense" and m.sample_rate < 1 else None
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def loss(self, out: dict[str, torch.Tensor], labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -57,10 +62,10 @@ class ShardedHead:
         return self.fc(out["embedding"], labels)
 
     def grad(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The accumulation window's head gradient: (None, gradient of every row) from `weight.grad`, or under
-        `--head-update sampled` (rows, their gradient): the union of the micro-batches' sampled rows, sorted, with
-        the gradients of a row sampled twice summed (autograd's accumulation, done here on the sampled rows only).
-        (None, None) without one."""
+        """The accumulation window's head gradient: (None, gradient of every row) from `weight.grad` (the full
+        softmax), or with sampling (rows, their gradient): the union of the micro-batches' sampled rows, sorted, with
+        the gradients of a row sampled twice summed (autograd's accumulation, done here on the sampled rows only);
+        every other row's gradient is zero. (None, None) without one."""
         fc = self.fc
         if fc.weight.grad is not None:
             return None, fc.weight.grad
@@ -97,29 +102,53 @@ class ShardedHead:
         torch's `clip_grad_norm_` formula. A non-finite head gradient skips the head's update (a window the
         backbone's checks let through)."""
         rows, g = self.grad()
-        if g is None or not bool(torch.isfinite(g).all()):
+        # a finite global norm (it sums the head's squares) vouches for every element; else look at each
+        known = total_norm is not None and math.isfinite(float(total_norm))
+        if g is None or not (known or bool(torch.isfinite(g).all())):
             return self.zero_grad()
         if clip_grad > 0 and total_norm is not None:
             coef = torch.clamp(clip_grad / (total_norm.to(g.device) + 1e-6), max=1.0)
             g.mul_(torch.nan_to_num(coef, nan=1.0))  # no norm known (DeepSpeed reported none): no clipping
         lr, w = self.lr * lr_factor, self.fc.weight.data
-        if rows is None:
+        if self.update == "dense" and rows is not None:  # every row steps: the zeros of the rows not sampled
+            self._dense_grad.index_copy_(0, rows, g)
+            rows, g = None, self._dense_grad
+        if rows is None and self.uniform_step is not None:  # the whole shard in place, one step count
+            self.uniform_step += 1
+            self._adamw([w], [g], [self.exp_avg], [self.exp_avg_sq], [self.uniform_step], lr)
             self.row_steps.add_(1)
-            if self.uniform_step is not None:
-                self.uniform_step += 1
-            adamw_(w, g.float(), self.exp_avg, self.exp_avg_sq,
-                   self.uniform_step if self.uniform_step is not None else self.row_steps, lr, self.weight_decay,
-                   self.betas)
-        else:  # gathers and scatters of the sampled rows only
-            steps = self.row_steps.index_select(0, rows) + 1
-            part = [t.index_select(0, rows) for t in (w, self.exp_avg, self.exp_avg_sq)]
-            adamw_(*part[:1], g.float(), *part[1:], steps, lr, self.weight_decay, self.betas)
-            for t, new in zip((w, self.exp_avg, self.exp_avg_sq, self.row_steps), (*part, steps)):
-                t.index_copy_(0, rows, new)
+        else:  # the sampled rows (or, after `sampled` steps, every row), each at its own step count
+            rows = torch.arange(self.fc.num_local, device=w.device) if rows is None else rows
+            self._step_rows(rows, g, lr)
             self.uniform_step = None
         self.zero_grad()
 
+    def _step_rows(self, rows: torch.Tensor, g: torch.Tensor, lr: float) -> None:
+        """AdamW on `rows` (gradient `g`), each row at its own step count: the rows are gathered in the order of
+        their step counts, so that each run of equal counts is one contiguous tensor for torch's kernel, then
+        written back. Gathers and scatters of these rows only."""
+        steps = self.row_steps.index_select(0, rows) + 1
+        order = torch.argsort(steps, stable=True)
+        rows, steps = rows.index_select(0, order), steps.index_select(0, order)
+        values, counts = (x.tolist() for x in torch.unique_consecutive(steps, return_counts=True))
+        states = [t.index_select(0, rows) for t in (self.fc.weight.data, self.exp_avg, self.exp_avg_sq)]
+        parts = [list(torch.split(t, counts)) for t in (states[0], g.index_select(0, order), *states[1:])]
+        self._adamw(*parts, values, lr)
+        for t, new in zip((self.fc.weight.data, self.exp_avg, self.exp_avg_sq, self.row_steps), (*states, steps)):
+            t.index_copy_(0, rows, new)
+
+    def _adamw(self, w: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor],
+               steps: list[int], lr: float) -> None:
+        """torch's AdamW (its functional form, fused kernel: one pass over each tensor) in place on the tensors `w`
+        and their moments, tensor i at step count `steps[i]` (after this step)."""
+        b1, b2 = self.betas
+        counts = [torch.tensor(float(s - 1), device=w[0].device) for s in steps]  # the kernel counts the step
+        adamw(w, g, m, v, [], counts, fused=True, amsgrad=False, beta1=b1, beta2=b2, lr=lr,
+              weight_decay=self.weight_decay, eps=EPS, maximize=False)
+
     def zero_grad(self) -> None:
+        if self._dense_grad is not None and self._sampled is not None:
+            self._dense_grad.index_fill_(0, self._sampled[0], 0.0)
         self.fc.weight.grad = None
         self.fc.pending.clear()
         self._sampled = None
@@ -133,7 +162,7 @@ class ShardedHead:
         w = self.fc.weight
         return {"head_parallel": "sharded", "head_class_start": self.fc.class_start,
                 "head_num_local": self.fc.num_local, "head_num_classes": self.fc.num_classes,
-                "head_sample_rate": self.fc.sample_rate, "head_update": self.fc.update,
+                "head_sample_rate": self.fc.sample_rate, "head_update": self.update,
                 "head_arcface_grad": self.fc.arcface_grad if self.fc.kind == "arcface" else None,
                 "head_param_class": type(w).__name__,
                 "head_param_dtype": str(w.dtype), "head_partitioned": hasattr(w, "ds_tensor") or
@@ -216,26 +245,6 @@ def full_weight(ckpt_dir: Path, dim: int | None = None) -> torch.Tensor:
     if not files:
         raise VtrainError(f"{ckpt_dir}: no sharded head ({ckpt.HEAD}/classes_*.safetensors)")
     return read_rows(ckpt_dir, 0, files[0].classes, None, dim, finite=False)["weight"].float()
-
-
-def adamw_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int | torch.Tensor, lr: float,
-           weight_decay: float, betas: tuple[float, float], eps: float = EPS) -> None:
-    """torch.optim.AdamW's update (decoupled weight decay; the single-tensor path torch takes on a CPU,
-    torch/optim/adam.py), in place on the rows `w` and their moments `m`, `v`. `step`: the step count after this
-    step, one int for every row (then the same operations as torch's, scalar bias corrections) or an int64 count
-    per row (bias corrections per row, computed in float64 as torch computes its scalar ones)."""
-    b1, b2 = betas
-    w.mul_(1 - lr * weight_decay)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    if isinstance(step, int):
-        denom = (v.sqrt() / (1 - b2 ** step) ** 0.5).add_(eps)
-        w.addcdiv_(m, denom, value=-(lr / (1 - b1 ** step)))
-        return
-    t = step.to(torch.float64)[:, None]
-    step_size = (lr / (1 - b1 ** t)).to(w.dtype)
-    denom = (v.sqrt() / ((1 - b2 ** t) ** 0.5).to(w.dtype)).add_(eps)
-    w.sub_(m * step_size / denom)
 
 
 def lr_factor(scheduler, step_index: int | None = None) -> float:

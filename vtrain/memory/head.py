@@ -5,10 +5,10 @@ holds its own class range. Rank 0 holds the most rows (`shard_range`: the first 
 the estimate counts rank 0. Per rank, exactly as `ShardedHead` allocates them (tested against the real objects):
 
 - parameters: the fp32 weight (rows x dim);
-- gradients: under `--head-update dense` (or the full softmax) the fp32 weight gradient, dense over the shard (the
-  sampled rows' gradient is scattered into it); under `sampled` only the sampled rows' gradient: at most
-  max(int(sample_rate x rows), min(rows, W x B)) rows, the positives of the global batch being kept (one
-  micro-batch; the trace counts it as a gradient, not an activation);
+- gradients: with the full softmax the fp32 weight gradient, dense over the shard; with sampling the sampled rows'
+  gradient (their own leaf: at most max(int(sample_rate x rows), min(rows, W x B)) rows, the positives of the
+  global batch being kept; one micro-batch; the trace counts it as a gradient, not an activation), and under
+  `--head-update dense` also the shard-sized gradient buffer its update reads (zero but on the sampled rows);
 - optimizer: AdamW's two fp32 moments, allocated for every row, and the per-row int64 step counts.
 
 The activations are traced: the head's real forward and backward run in the traced step on the global batch, as
@@ -48,8 +48,9 @@ def head_state_bytes(setup: Setup) -> dict[str, int]:
         return {"parameters": 0, "gradients": 0, "optimizer": 0}
     rows, dim = shard_rows(setup), setup.embedding_dim
     grad_rows = rows
-    if setup.head_update == "sampled" and setup.sample_rate < 1:
+    if setup.sample_rate < 1:
         grad_rows = max(max(int(setup.sample_rate * rows), 1), min(rows, setup.gpus * setup.batch_size))
+        grad_rows += rows if setup.head_update == "dense" else 0
     return {"parameters": 4 * rows * dim, "gradients": 4 * grad_rows * dim, "optimizer": 8 * rows * dim + 8 * rows}
 
 
@@ -57,10 +58,9 @@ def sharded_head(setup: Setup) -> PartialFC | None:
     """Rank 0's head shard of `setup` (None without a sharded head), with the run's default margin and scale."""
     if not setup.sharded_head:
         return None
-    m = ModelConfig(head_parallel="sharded", sample_rate=setup.sample_rate, embedding_dim=setup.embedding_dim,
-                    head_update=setup.head_update)
+    m = ModelConfig(head_parallel="sharded", sample_rate=setup.sample_rate, embedding_dim=setup.embedding_dim)
     return PartialFC(m.embedding_dim, setup.num_classes, m.head, m.margin, m.scale, m.sample_rate, 0, setup.gpus,
-                     m.arcface_grad, m.head_update)
+                     m.arcface_grad)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -75,26 +75,24 @@ def _sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
 class PartialFC(nn.Module):
     """This rank's shard of the class centres and the distributed margin softmax over it.
 
-    `update` says which gradient the forward leaves for the head's optimizer (engine/head_shard.py):
-    - `dense`: `weight.grad` over the whole shard, zero on the rows not sampled, as arcface_torch's
-      `self.weight[index]` leaves it (AF/partial_fc_v2.py): every row then takes the optimizer step;
-    - `sampled`: each forward's sampled rows are a leaf of their own (`pending`: (rows, leaf) per micro-batch),
-      so the gradient, its norm and the update are the size of the sampled rows, never of the shard.
-    With the full softmax (sample_rate 1) both use `weight` itself."""
+    With sampling (sample_rate < 1) each forward's sampled rows are a leaf of their own (`pending`: (rows, leaf)
+    per micro-batch), so their gradient, its norm and what the head's optimizer (engine/head_shard.py) reads of it
+    are the size of the sampled rows, never of the shard: a gradient over the whole shard would be zero on every
+    other row (arcface_torch's `self.weight[index]` makes that dense gradient, AF/partial_fc_v2.py). With the full
+    softmax the gradient is `weight.grad`."""
 
     def __init__(self, dim: int, num_classes: int, kind: str = "arcface", margin: float = 0.5, scale: float = 64.0,
-                 sample_rate: float = 1.0, rank: int = 0, world: int = 1, arcface_grad: str = "straight",
-                 update: str = "dense") -> None:
+                 sample_rate: float = 1.0, rank: int = 0, world: int = 1, arcface_grad: str = "straight") -> None:
         super().__init__()
         if num_classes < world:
             raise ValueError(f"{num_classes} classes cannot be split over {world} ranks")
         self.kind, self.margin, self.scale, self.sample_rate = kind, margin, scale, sample_rate
-        self.arcface_grad, self.update = arcface_grad, update
+        self.arcface_grad = arcface_grad
         self.num_classes = num_classes
         self.class_start, self.num_local = shard_range(num_classes, rank, world)
         self.weight = nn.Parameter(torch.empty(self.num_local, dim))
         nn.init.normal_(self.weight, std=0.01)  # arcface_torch's init (docs/face.md §1.1)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # `sampled`: (rows, their leaf) per forward
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, their leaf) per forward since the step
         self.last_index: torch.Tensor | None = None  # the rows the last forward used (None: all)
 
     def sample(self, labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -121,8 +119,6 @@ class PartialFC(nn.Module):
         """The class centres of `index` (None: all) whose gradient the update reads (see the class docstring)."""
         if index is None:
             return self.weight
-        if self.update == "dense":
-            return self.weight[index]
         leaf = self.weight.detach().index_select(0, index).requires_grad_(self.weight.requires_grad)
         if torch.is_grad_enabled():
             self.pending.append((index, leaf))
