@@ -349,3 +349,28 @@ def test_zero_norm_hook_adds_the_head_to_deepspeeds_norm_for_one_step():
         with pytest.raises(VtrainError, match=r"DeepSpeed \d"):
             with _zero_norm_with_head(bare, stage, head):
                 pass
+
+
+@pytest.mark.parametrize("update", ["dense", "sampled"])
+def test_a_sampled_step_allocates_nothing_of_the_shards_size(update):
+    """With sampling, a whole step (forward, backward, clip norm, update) allocates only what the sampled rows need:
+    no gradient over the shard, no full-size square for the norm, no full-size gather or scatter (before: a
+    shard-sized gradient every step, and its square). `dense` writes into the one buffer it keeps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows, dim = 20_000, 64
+    cfg = RunConfig(task="metric", model=ModelConfig(embedding_dim=dim, head_parallel="sharded", sample_rate=0.05,
+                                                     head_update=update))
+    head = ShardedHead(cfg, rows, 0, 1, torch.device("cpu"))
+    emb, labels = torch.randn(32, dim), torch.randint(0, rows, (32,))
+
+    def step():
+        head.loss({"embedding": emb}, labels)["loss"].backward()
+        head.step(1.0, head.grad_sq_norm().sqrt(), 1.0)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    assert sizes and max(sizes) < rows * dim * 4 / 10, max(sizes)  # the sampled rows: 1,000 of 20,000
+    assert int(head.row_steps.max()) == 2 and (update == "dense") == bool((head.row_steps == 2).all())

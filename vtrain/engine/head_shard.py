@@ -76,10 +76,10 @@ class ShardedHead:
         if len(parts) > 1:
             rows, inverse = torch.unique(torch.cat([r for r, _ in parts]), return_inverse=True)
             g = torch.cat([g for _, g in parts])
-            parts = [(rows, torch.zeros(len(rows), g.shape[1], dtype=g.dtype, device=g.device).index_add_(0, inverse,
-                                                                                                       g))]
+            summed = torch.zeros(len(rows), g.shape[1], dtype=g.dtype, device=g.device)
+            parts = [(rows, summed.index_add_(0, inverse, g))]
         self._sampled = parts[0] if parts else None
-        return self._sampled if parts else (None, None)
+        return self._sampled or (None, None)
 
     def unscale_(self, scale: float) -> None:
         """fp16 GradScaler: the head's gradients carry the loss scale too (the scaled loss was backpropagated)."""
