@@ -54,3 +54,16 @@ def test_param_groups_no_decay_and_backbone_multiplier():
     assert ids[id(named["neck.norm.weight"])] == "head/no_decay"
     assert ids[id(named["head.weight"])] == "head"
     assert sum(len(g["params"]) for g in groups) == len(named)
+
+
+def test_a_resume_names_a_changed_face_head_training():
+    from vtrain.config import ModelConfig, RunConfig
+    from vtrain.engine.resume_settings import head_notes
+
+    def cfg(**model):
+        return RunConfig(task="metric", model=ModelConfig(head_parallel="sharded", **model))
+
+    assert head_notes(cfg(), cfg()) == []
+    notes = head_notes(cfg(arcface_grad="chain", head_update="sampled"), cfg())
+    assert notes == ["--arcface-grad chain -> straight on resume: the head trains on with straight (docs/face_head.md)",
+                     "--head-update sampled -> dense on resume: the head trains on with dense (docs/face_head.md)"]

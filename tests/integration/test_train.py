@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.helpers.cli import final_weights, metrics, ok, run_info, vtrain
 from vtrain.engine.checkpoint import complete_checkpoints
@@ -51,10 +52,16 @@ def test_trains_logs_checkpoints_and_evaluates(faces, tmp_path):
     assert proc.returncode == 2 and "expected 'path1 path2 0|1'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_crash_and_resume_matches_uninterrupted_run(precision, faces, tmp_path):
+SHARDED = {"dense": ["--head-parallel", "sharded", "--sample-rate", "0.5"],
+           "sampled": ["--head-parallel", "sharded", "--sample-rate", "0.5", "--head-update", "sampled"]}
+
+
+@pytest.mark.parametrize("precision,head", [("bf16", "dense"), ("fp16", "sampled")])
+def test_crash_and_resume_matches_uninterrupted_run(precision, head, faces, tmp_path):
+    """With the sharded head (Partial FC at rate 0.5) under both updates: its shards equal bit for bit. (The
+    replicated head's crash and resume: tests/integration/test_ema.py.)"""
     args = ["--data", str(faces), "--max-steps", "8", "--save-every", "2", "--grad-accum", "2",
-            "--mixed-precision", precision, *COMMON]
+            "--mixed-precision", precision, *COMMON, *SHARDED[head]]
     ok(vtrain("train", "--output-dir", str(tmp_path / "full"), *args))
     crashed = tmp_path / "crashed"
     proc = vtrain("train", "--output-dir", str(crashed), *args, extra_env={"VTRAIN_DEBUG_CRASH_AT_STEP": "6"})
@@ -66,6 +73,15 @@ def test_crash_and_resume_matches_uninterrupted_run(precision, faces, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    # the head's rows, moments and per-row steps of the last checkpoint: bit-equal
+    last = [complete_checkpoints(r)[-1] / "head" for r in (tmp_path / "full", crashed)]
+    names = sorted(p.name for p in last[0].iterdir())
+    assert names == sorted(p.name for p in last[1].iterdir()) and names
+    for name in names:
+        x, y = (load_file(str(d / name)) for d in last)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
+    steps = x["row_steps"]
+    assert bool((steps == steps[0]).all()) == (head == "dense")  # dense: every row took every step
     # the resumed run logs the same losses for the steps after the checkpoint
     full = {r["step"]: r["loss"] for r in metrics(tmp_path / "full")}
     resumed = {r["step"]: r["loss"] for r in metrics(crashed)}

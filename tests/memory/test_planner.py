@@ -85,19 +85,22 @@ def test_breakdown_command_prints_and_writes_json():
 
 
 # ---- the sharded head -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sample_rate", [1.0, 0.3])
-def test_sharded_head_states_are_exactly_the_real_objects(sample_rate):
-    """Rank 0 of 4 (the largest shard of 1003 identities: 251 rows), built for real on CPU and stepped once."""
-    s = dataclasses.replace(SHARDED, sample_rate=sample_rate)
+@pytest.mark.parametrize("sample_rate,update", [(1.0, "dense"), (0.3, "dense"), (0.3, "sampled")])
+def test_sharded_head_states_are_exactly_the_real_objects(sample_rate, update):
+    """Rank 0 of 4 (the largest shard of 1003 identities: 251 rows), built for real on CPU and stepped once; with
+    sampling the gradient is the sampled rows' (75 of 251), plus the shard-sized buffer of `dense`."""
+    s = dataclasses.replace(SHARDED, sample_rate=sample_rate, head_update=update)
     cfg = build_config("metric", overrides={"model": {"embedding_dim": 48, "head_parallel": "sharded",
-                                                      "sample_rate": sample_rate}})
+                                                      "sample_rate": sample_rate, "head_update": update}})
     head = ShardedHead(cfg, s.num_classes, 0, s.gpus, torch.device("cpu"))
     emb = torch.randn(s.batch_size, 48, requires_grad=True)
     head.loss({"embedding": emb}, torch.arange(s.batch_size))["loss"].backward()
     w = head.fc.weight
-    real = {"parameters": w.nbytes + head.fc.touched.nbytes, "gradients": w.grad.nbytes,
+    grads = [w.grad] if w.grad is not None else [leaf.grad for _, leaf in head.fc.pending]
+    grads += [head._dense_grad] if head._dense_grad is not None else []
+    real = {"parameters": w.nbytes, "gradients": sum(g.nbytes for g in grads),
             "optimizer": head.exp_avg.nbytes + head.exp_avg_sq.nbytes + head.row_steps.nbytes}
-    head.step(1.0, None, 0.0)  # the row-sparse step allocates no new state
+    head.step(1.0, None, 0.0)  # the step allocates no new state
     real_after = head.exp_avg.nbytes + head.exp_avg_sq.nbytes + head.row_steps.nbytes
     assert head_state_bytes(s) == real and real_after == real["optimizer"]
     # in the estimate: beside the model's own states, never partitioned (ZeRO-3 divides only the model's)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers.face_head import REL, check_partial_fc_rank
 from tests.helpers.ports import free_port
 from vtrain.config import ModelConfig, OptimConfig, RunConfig
 from vtrain.engine.head_shard import ShardedHead
@@ -55,7 +56,13 @@ def _sharded(rank, world, kind, sample_rate):
     out = head(mine, labels[rank * B:(rank + 1) * B] if world > 1 else labels)
     out["loss"].backward()
     # the embedding gradient carries the factor W that undoes the engines' gradient averaging
-    return out["loss"].detach(), mine.grad / world, head.weight.grad, head.touched.nonzero().squeeze(1) + start
+    used = torch.arange(n) if head.last_index is None else head.last_index
+    w_grad = head.weight.grad
+    if w_grad is None:  # sampling: the sampled rows' own leaf holds their gradient
+        w_grad = torch.zeros_like(head.weight)
+        for rows, leaf in head.pending:
+            w_grad.index_add_(0, rows, leaf.grad)
+    return out["loss"].detach(), mine.grad / world, w_grad, used + start
 
 
 def _worker(rank, port, q):
@@ -64,7 +71,10 @@ def _worker(rank, port, q):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         # numpy: pickled by value (a torch tensor goes through a shared-memory handle that dies with this process)
-        q.put((rank, [[t.numpy() for t in _sharded(rank, 2, kind, r)] for kind, r in CASES]))
+        cases = [[t.numpy() for t in _sharded(rank, 2, kind, r)] for kind, r in CASES]
+        # --head-update dense against PartialFC_V2 + AdamW on 2 gloo processes (tests/fixtures/face_head/)
+        fixture = [check_partial_fc_rank(rank, 2, "dense", forced) for forced in (True, False)]
+        q.put((rank, cases, fixture))
     finally:
         dist.destroy_process_group()
 
@@ -93,41 +103,51 @@ def test_one_shard_equals_margin_head(case):
 @pytest.mark.slow
 def test_two_shards_equal_margin_head():
     """ArcFace and CosFace, full softmax and sampled: loss, embedding and weight-shard gradients of 2 gloo
-    processes equal MarginHead's over the (sampled) classes on the whole batch in one process."""
+    processes equal MarginHead's over the (sampled) classes on the whole batch in one process. And
+    `--head-update dense` on 2 processes equals arcface_torch's PartialFC_V2 + AdamW on 2 processes over the
+    fixture's 5 steps (tests/models/test_face_head_fixtures.py does 1 process)."""
     port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
-    got = {rank: [[torch.from_numpy(a) for a in case] for case in cases]
-           for rank, cases in (q.get(timeout=300) for _ in procs)}
+    got, fixture = {}, {}
+    for rank, cases, fx in (q.get(timeout=300) for _ in procs):
+        got[rank], fixture[rank] = [[torch.from_numpy(a) for a in case] for case in cases], fx
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
     for i, case in enumerate(CASES):
         _check(case, [got[0][i], got[1][i]], 2)
+    for rank, (forced, free) in fixture.items():  # the same rows were sampled (asserted in each process)
+        assert max(forced.values()) <= REL, (rank, forced)
+        assert max(free[k] for k in ("weight", "exp_avg", "exp_avg_sq")) <= REL, (rank, free)
 
 
-def _cfg(**optim):
-    return RunConfig(task="metric", model=ModelConfig(embedding_dim=D, head_parallel="sharded"),
+def _cfg(update="dense", **optim):
+    return RunConfig(task="metric", model=ModelConfig(embedding_dim=D, head_parallel="sharded", head_update=update),
                      optim=OptimConfig(**optim))
 
 
-def test_sparse_adamw_matches_torch_adamw_on_the_rows_it_steps():
-    cfg = _cfg(lr=0.01, weight_decay=0.1)
+def _sampled_grad(head, rows, grad):
+    """What a `sampled` forward + backward leaves: the rows' own leaf with their gradient."""
+    leaf = head.fc.weight.detach()[rows].clone().requires_grad_(True)
+    leaf.grad = grad.clone()
+    head.fc.pending.append((torch.tensor(rows), leaf))
+
+
+def test_sampled_update_matches_torch_adamw_on_the_rows_it_steps():
+    cfg = _cfg("sampled", lr=0.01, weight_decay=0.1)
     head = ShardedHead(cfg, C, 0, 1, torch.device("cpu"))
     start = head.fc.weight.detach().clone()
-    ref = torch.nn.Parameter(start.clone())
-    opt = torch.optim.AdamW([ref], lr=0.01, weight_decay=0.1, betas=cfg.optim.betas)
     g = torch.Generator().manual_seed(1)
-    plan = [[0, 2, 5], [0, 5], list(range(C)), [2]]  # rows touched per step; row 6 never, rows 1,3,4 once
+    plan = [[0, 2, 5], [0, 5], list(range(C)), [2]]  # rows sampled per step; row 6 never, rows 1,3,4 once
     grads = [torch.randn(C, D, generator=g) for _ in plan]
     for rows, grad in zip(plan, grads):
-        head.fc.touched[rows] = True
-        head.fc.weight.grad = grad.clone()  # dense, as autograd leaves it: untouched rows must ignore it
+        _sampled_grad(head, rows, grad[rows])
         head.step(1.0, None, 0.0)
-        assert head.fc.weight.grad is None and not head.fc.touched.any()
+        assert head.fc.weight.grad is None and not head.fc.pending and head.grad() == (None, None)
     # each row equals torch AdamW run over exactly the steps that touched it (per-row bias correction)
     for row in range(C):
         ref_row = torch.nn.Parameter(start[row].clone())
@@ -149,19 +169,91 @@ def test_sparse_adamw_matches_torch_adamw_on_the_rows_it_steps():
             assert torch.allclose(head.exp_avg_sq[row], st["exp_avg_sq"], atol=1e-7)
 
 
+def test_dense_update_is_torch_adamw_bit_for_bit_and_goes_on_from_sampled_steps(tmp_path):
+    """`dense`: every row steps with torch's own AdamW (its fused kernel: bit-equal weights and moments, the rows
+    with a zero gradient decayed and moved by their momentum). A checkpoint of a `sampled` run (rows with different step
+    counts, the only kind earlier versions wrote) goes on under `dense` with each row's own bias correction."""
+    cfg = _cfg("dense", lr=0.01, weight_decay=0.1)
+    head = ShardedHead(cfg, C, 0, 1, torch.device("cpu"))
+    ref = torch.nn.Parameter(head.fc.weight.detach().clone())
+    opt = torch.optim.AdamW([ref], lr=0.01, weight_decay=0.1, betas=cfg.optim.betas, fused=True)
+    g = torch.Generator().manual_seed(2)
+    for factor in (1.0, 0.5, 0.25):
+        grad = torch.randn(C, D, generator=g)
+        grad[[1, 4]] = 0.0  # rows not sampled this step
+        head.fc.weight.grad = grad.clone()
+        head.step(factor, None, 0.0)
+        ref.grad = grad.clone()
+        opt.param_groups[0]["lr"] = 0.01 * factor
+        opt.step()
+        assert torch.equal(head.fc.weight.detach(), ref.detach())
+        assert torch.equal(head.exp_avg, opt.state[ref]["exp_avg"])
+        assert torch.equal(head.exp_avg_sq, opt.state[ref]["exp_avg_sq"])
+    assert head.uniform_step == 3 and torch.equal(head.row_steps, torch.full((C,), 3))
+    sampled = ShardedHead(_cfg("sampled", lr=0.01, weight_decay=0.1), C, 0, 1, torch.device("cpu"))
+    _sampled_grad(sampled, [0, 3], torch.randn(2, D, generator=g))
+    sampled.step(1.0, None, 0.0)
+    sampled.save(tmp_path)
+    dense = ShardedHead(cfg, C, 0, 1, torch.device("cpu"))
+    dense.load(tmp_path)
+    assert dense.uniform_step is None and dense.row_steps.tolist() == [1, 0, 0, 1, 0, 0, 0]
+    start = dense.fc.weight.detach().clone()
+    grad = torch.randn(C, D, generator=g)
+    dense.fc.weight.grad = grad.clone()
+    dense.step(1.0, None, 0.0)
+    assert dense.row_steps.tolist() == [2, 1, 1, 2, 1, 1, 1]
+    for row in range(C):  # torch AdamW on the row, from its saved moments and step count
+        p = torch.nn.Parameter(start[row].clone())
+        o = torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)
+        p.grad = grad[row].clone()
+        if sampled.row_steps[row]:
+            o.state[p] = {"step": torch.tensor(1.0), "exp_avg": sampled.exp_avg[row].clone(),
+                          "exp_avg_sq": sampled.exp_avg_sq[row].clone()}
+        o.step()
+        assert torch.allclose(dense.fc.weight[row], p.detach(), atol=1e-7, rtol=1e-6), row
+
+
+def test_sampled_gradient_is_the_sampled_rows_summed_over_micro_batches():
+    """With sampling the head's gradient never exists at the shard's size: each micro-batch's sampled rows are a
+    leaf of their own; the window's gradient is their union with a twice-sampled row's gradients summed, which is
+    what clipping, the finiteness check and the update read. Reference: autograd through `weight[index]` (as
+    arcface_torch indexes its weight), a gradient over the whole shard."""
+    cfg = RunConfig(task="metric", model=ModelConfig(embedding_dim=D, head_parallel="sharded", sample_rate=0.3))
+    heads = [ShardedHead(cfg, 50, 0, 1, torch.device("cpu")) for _ in range(2)]
+    heads[1].fc.weight.data.copy_(heads[0].fc.weight.data)
+    heads[1].fc.rows = lambda index: heads[1].fc.weight[index]  # the reference's indexing
+    emb, labels = torch.randn(2, 4, D), torch.tensor([[3, 7, 7, 40], [7, 12, 3, 3]])
+    for head in heads:
+        torch.manual_seed(5)
+        for micro in range(2):
+            head.loss({"embedding": emb[micro]}, labels[micro])["loss"].backward()
+    sampled, reference = heads
+    assert sampled.fc.weight.grad is None and [leaf.shape[0] for _, leaf in sampled.fc.pending] == [15, 15]
+    windows = torch.cat([r for r, _ in sampled.fc.pending])
+    rows, grad = sampled.grad()
+    assert rows.tolist() == sorted(set(windows.tolist()))
+    assert grad.shape == (len(rows), D) and len(rows) < 30  # the two windows' samples overlap (3 and 7)
+    want = reference.fc.weight.grad
+    assert torch.allclose(grad, want[rows], atol=1e-7) and not want[~torch.isin(torch.arange(50), rows)].any()
+    assert torch.allclose(sampled.grad_sq_norm(), (want ** 2).sum(), rtol=1e-6)
+
+
 def test_clipping_scales_the_head_like_clip_grad_norm():
-    head = ShardedHead(_cfg(lr=0.1, weight_decay=0.0), C, 0, 1, torch.device("cpu"))
-    start = head.fc.weight.detach().clone()
-    ref = torch.nn.Parameter(start.clone())
-    opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0)
-    grad = torch.randn(C, D) * 10
-    head.fc.touched[:] = True
-    head.fc.weight.grad = grad.clone()
-    total = torch.tensor(25.0)  # the global norm over backbone and head, as the engine passes it
-    head.step(1.0, total, 1.0)
-    ref.grad = grad * (1.0 / (25.0 + 1e-6))
-    opt.step()
-    assert torch.allclose(head.fc.weight, ref.detach(), atol=1e-6)
+    for update in ("dense", "sampled"):
+        head = ShardedHead(_cfg(update, lr=0.1, weight_decay=0.0), C, 0, 1, torch.device("cpu"))
+        start = head.fc.weight.detach().clone()
+        ref = torch.nn.Parameter(start.clone())
+        opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0)
+        grad = torch.randn(C, D) * 10
+        if update == "dense":
+            head.fc.weight.grad = grad.clone()
+        else:
+            _sampled_grad(head, list(range(C)), grad)
+        total = torch.tensor(25.0)  # the global norm over backbone and head, as the engine passes it
+        head.step(1.0, total, 1.0)
+        ref.grad = grad * (1.0 / (25.0 + 1e-6))
+        opt.step()
+        assert torch.allclose(head.fc.weight, ref.detach(), atol=1e-6), update
 
 
 def test_checkpoint_resplits_for_another_world_size(tmp_path):
@@ -192,6 +284,13 @@ def test_checkpoint_resplits_for_another_world_size(tmp_path):
 
 def test_config_rejects_bad_head_flags():
     from vtrain.errors import VtrainError
+
+    with pytest.raises(VtrainError, match="--head-update.*needs --head-parallel sharded"):
+        ModelConfig(head_update="sampled")
+    with pytest.raises(VtrainError, match="--arcface-grad.*needs --head arcface"):
+        ModelConfig(head="cosface", arcface_grad="chain")
+    with pytest.raises(VtrainError, match="--arcface-grad"):
+        ModelConfig(arcface_grad="exact")
 
     with pytest.raises(VtrainError, match="--sample-rate"):
         ModelConfig(sample_rate=0.0, head_parallel="sharded")
@@ -250,3 +349,28 @@ def test_zero_norm_hook_adds_the_head_to_deepspeeds_norm_for_one_step():
         with pytest.raises(VtrainError, match=r"DeepSpeed \d"):
             with _zero_norm_with_head(bare, stage, head):
                 pass
+
+
+@pytest.mark.parametrize("update", ["dense", "sampled"])
+def test_a_sampled_step_allocates_nothing_of_the_shards_size(update):
+    """With sampling, a whole step (forward, backward, clip norm, update) allocates only what the sampled rows need:
+    no gradient over the shard, no full-size square for the norm, no full-size gather or scatter (before: a
+    shard-sized gradient every step, and its square). `dense` writes into the one buffer it keeps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows, dim = 20_000, 64
+    cfg = RunConfig(task="metric", model=ModelConfig(embedding_dim=dim, head_parallel="sharded", sample_rate=0.05,
+                                                     head_update=update))
+    head = ShardedHead(cfg, rows, 0, 1, torch.device("cpu"))
+    emb, labels = torch.randn(32, dim), torch.randint(0, rows, (32,))
+
+    def step():
+        head.loss({"embedding": emb}, labels)["loss"].backward()
+        head.step(1.0, head.grad_sq_norm().sqrt(), 1.0)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    assert sizes and max(sizes) < rows * dim * 4 / 10, max(sizes)  # the sampled rows: 1,000 of 20,000
+    assert int(head.row_steps.max()) == 2 and (update == "dense") == bool((head.row_steps == 2).all())

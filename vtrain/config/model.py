@@ -12,10 +12,14 @@ from vtrain.config.fields import DINO_ONLY, METRIC_ONLY, NO_FLAG, Section
 
 NeckNorm = Literal["bn", "ln", "none"]
 Head = Literal["arcface", "cosface"]
+ArcfaceGrad = Literal["straight", "chain"]
 HeadParallel = Literal["none", "sharded"]
+HeadUpdate = Literal["dense", "sampled"]
 NECK_NORMS: tuple[str, ...] = typing.get_args(NeckNorm)
 HEADS: tuple[str, ...] = typing.get_args(Head)
 HEAD_PARALLEL: tuple[str, ...] = typing.get_args(HeadParallel)
+ARCFACE_GRADS: tuple[str, ...] = typing.get_args(ArcfaceGrad)
+HEAD_UPDATES: tuple[str, ...] = typing.get_args(HeadUpdate)
 MAX_QUERIES, MAX_DN_QUERIES = 5000, 2000
 MIN_DETECTION_SIZE = 64  # the coarsest DINO level has stride 64 (presets.py): smaller inputs leave it empty
 
@@ -46,6 +50,11 @@ class ModelConfig(Section):
     """Metric: margin m; defaults to 0.5 for ArcFace and 0.4 for CosFace (docs/face.md §1.1)."""
     scale: float = field(default=64.0, metadata=METRIC_ONLY)
     """Metric: logit scale s."""
+    arcface_grad: ArcfaceGrad = field(default="straight", metadata=METRIC_ONLY)
+    """ArcFace's gradient: `straight`, the margin added to theta without a gradient, so the target logit's
+    gradient passes through unchanged, and cos(theta + m) for every theta (arcface_torch since Dec. 2022, commit
+    657ae30e); `chain`, the gradient of cos(theta + m), with cos(theta) - m sin(m) where theta + m > pi
+    (arcface_torch of Jan. 2022, commit 2e2e8c97). docs/face_head.md."""
     head_parallel: HeadParallel = field(default="none", metadata=METRIC_ONLY)
     """Metric head: `none`, one head inside the model (replicated under DDP, partitioned under ZeRO-3/FSDP2);
     `sharded`, each process owns a contiguous class range outside the engine (Partial FC, engine/head_shard.py,
@@ -53,6 +62,11 @@ class ModelConfig(Section):
     sample_rate: float = field(default=1.0, metadata=METRIC_ONLY)
     """With --head-parallel sharded: positives plus random negatives up to this share of each rank's classes per
     step (Partial FC); 1.0 is the full softmax. Below 1 it needs sharded (the replicated head has no sampling)."""
+    head_update: HeadUpdate = field(default="dense", metadata=METRIC_ONLY)
+    """With --head-parallel sharded: `dense`, every class centre takes an AdamW step every step, its weight decay
+    and momentum included, sampled or not (arcface_torch's PartialFC_V2 and optimizer); `sampled`, only the rows
+    sampled in the step are updated (their own step counts; others keep weight and moments), at a cost that
+    follows the sampled rows. docs/face_head.md."""
     drop_path: float | None = None
     """Stochastic depth rate of the backbone (default: the preset's)."""
     grad_ckpt: list[str] = field(default_factory=list)
@@ -130,6 +144,13 @@ class ModelConfig(Section):
         check(0.0 < self.sample_rate <= 1.0, "sample_rate", f"must be in (0, 1], got {self.sample_rate}")
         check(self.sample_rate == 1.0 or self.head_parallel == "sharded", "sample_rate",
               f"{self.sample_rate} < 1 needs --head-parallel sharded (negative sampling lives in the sharded head)")
+        check(self.arcface_grad in ARCFACE_GRADS, "arcface_grad", f"choose one of {ARCFACE_GRADS}")
+        check(self.arcface_grad == "straight" or self.head == "arcface", "arcface_grad",
+              f"{self.arcface_grad} needs --head arcface (CosFace's margin is a constant: one gradient)")
+        check(self.head_update in HEAD_UPDATES, "head_update", f"choose one of {HEAD_UPDATES}")
+        check(self.head_update == "dense" or self.head_parallel == "sharded", "head_update",
+              f"{self.head_update} needs --head-parallel sharded (the replicated head is one dense parameter of "
+              "the model's optimizer)")
         check(self.drop_path is None or 0.0 <= self.drop_path < 1.0, "drop_path", "must be in [0, 1)")
         check(math.isfinite(self.pos_temperature) and self.pos_temperature > 0, "pos_temperature",
               f"must be a positive number, got {self.pos_temperature}")

@@ -17,6 +17,8 @@ The choices, per setting:
 - the global batch (--batch-size x --grad-accum x processes): applied. `consumed_samples` counts samples, so the
   data continues where the checkpoint stopped; steps go on being counted, each of the new size.
 - EMA decay and warm-up: applied; the average and its update count are the checkpoint's.
+- the face head's training (`--arcface-grad`, `--head-update`): applied; the head's state (centres, moments,
+  per-row step counts) is the same under both (docs/face_head.md).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def apply(mine: dict[str, Any], engine: Any, scheduler: Any, saved: RunConfig | 
         notes.append(f"{what} on resume: applied to every parameter group (the checkpoint's optimizer state held "
                      "the old value)")
     if saved is not None:
-        notes += _batch_note(saved, cfg, state, world)
+        notes += _batch_note(saved, cfg, state, world) + head_notes(saved, cfg)
     if state.ema and cfg.train.ema_decay > 0:
         old = (state.ema.get("decay"), state.ema.get("warmup"))
         if old != (cfg.train.ema_decay, cfg.train.ema_warmup):
@@ -84,6 +86,19 @@ def _batch_note(saved: RunConfig, cfg: RunConfig, state: Any, world: int) -> lis
             f"samples, so the data goes on at sample {at} of its order ({state.consumed_samples} consumed); steps "
             f"go on from {state.step}, each of {new} samples (--max-steps, --save-every and the LR schedule count "
             "steps)"]
+
+
+def head_notes(saved: RunConfig, cfg: RunConfig) -> list[str]:
+    """One note per face-head training choice that differs from the checkpoint's config."""
+    if cfg.task != "metric":
+        return []
+    out = []
+    for name in ("arcface_grad", "head_update"):
+        old, new = getattr(saved.model, name), getattr(cfg.model, name)
+        if old != new:
+            out.append(f"--{name.replace('_', '-')} {old} -> {new} on resume: the head trains on with {new} "
+                       "(docs/face_head.md)")
+    return out
 
 
 def _changed(saved: RunConfig | None, cfg: RunConfig, *names: str) -> str:

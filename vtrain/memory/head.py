@@ -4,10 +4,12 @@ The head lives outside the engine: ZeRO and FSDP2 never partition it, offloading
 holds its own class range. Rank 0 holds the most rows (`shard_range`: the first C mod W ranks take one more), so
 the estimate counts rank 0. Per rank, exactly as `ShardedHead` allocates them (tested against the real objects):
 
-- parameters: the fp32 weight (rows x dim) and the `touched` row mask (1 byte per row, a buffer);
-- gradients: the fp32 weight gradient, dense over the shard (the sampled rows' gradient is scattered into it);
-- optimizer: the row-sparse AdamW's two fp32 moments, allocated for every row (only touched rows step), and the
-  per-row int64 step counts.
+- parameters: the fp32 weight (rows x dim);
+- gradients: with the full softmax the fp32 weight gradient, dense over the shard; with sampling the sampled rows'
+  gradient (their own leaf: at most max(int(sample_rate x rows), min(rows, W x B)) rows, the positives of the
+  global batch being kept; one micro-batch; the trace counts it as a gradient, not an activation), and under
+  `--head-update dense` also the shard-sized gradient buffer its update reads (zero but on the sampled rows);
+- optimizer: AdamW's two fp32 moments, allocated for every row, and the per-row int64 step counts.
 
 The activations are traced: the head's real forward and backward run in the traced step on the global batch, as
 rank 0 runs them: the embeddings of all W x B samples (the all-gather's W row blocks and their concatenation, made
@@ -40,12 +42,16 @@ def shard_rows(setup: Setup) -> int:
 
 
 def head_state_bytes(setup: Setup) -> dict[str, int]:
-    """Per-GPU bytes of the sharded head's parameters (+ row mask), gradient and AdamW state (module docstring);
-    zeros without a sharded head."""
+    """Per-GPU bytes of the sharded head's parameters, gradient and AdamW state (module docstring); zeros without a
+    sharded head."""
     if not setup.sharded_head:
         return {"parameters": 0, "gradients": 0, "optimizer": 0}
     rows, dim = shard_rows(setup), setup.embedding_dim
-    return {"parameters": 4 * rows * dim + rows, "gradients": 4 * rows * dim, "optimizer": 8 * rows * dim + 8 * rows}
+    grad_rows = rows
+    if setup.sample_rate < 1:
+        grad_rows = max(max(int(setup.sample_rate * rows), 1), min(rows, setup.gpus * setup.batch_size))
+        grad_rows += rows if setup.head_update == "dense" else 0
+    return {"parameters": 4 * rows * dim, "gradients": 4 * grad_rows * dim, "optimizer": 8 * rows * dim + 8 * rows}
 
 
 def sharded_head(setup: Setup) -> PartialFC | None:
@@ -53,7 +59,8 @@ def sharded_head(setup: Setup) -> PartialFC | None:
     if not setup.sharded_head:
         return None
     m = ModelConfig(head_parallel="sharded", sample_rate=setup.sample_rate, embedding_dim=setup.embedding_dim)
-    return PartialFC(m.embedding_dim, setup.num_classes, m.head, m.margin, m.scale, m.sample_rate, 0, setup.gpus)
+    return PartialFC(m.embedding_dim, setup.num_classes, m.head, m.margin, m.scale, m.sample_rate, 0, setup.gpus,
+                     m.arcface_grad)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -41,6 +41,7 @@ class Setup:
     neck_norm: str = ModelConfig.neck_norm  # metric: the embedding neck's norm (bn needs a micro-batch >= 2)
     head_parallel: str = "none"  # metric: none | sharded (the Partial FC head outside the model, memory/head.py)
     sample_rate: float = 1.0  # metric, sharded head: share of each rank's classes per step
+    head_update: str = ModelConfig.head_update  # metric, sharded head: dense | sampled (its gradient's size)
     ds_buckets: tuple[float, float] = (VTRAIN_DS_BUCKET, VTRAIN_DS_BUCKET)  # reduce, allgather (elements)
     overlap_comm: bool = True
     ds_16bit: bool = False  # a DeepSpeed JSON with bf16/fp16 enabled (16-bit params); else torch_autocast / fp32
@@ -78,7 +79,7 @@ def run_setup(cfg: RunConfig, precision: str, **engine: Any) -> Setup:
     s = Setup(task=cfg.task, preset=m.preset, batch_size=cfg.train.batch_size, image_size=size, precision=precision,
               grad_ckpt=() if spec.auto else tuple(spec.canonical()), ffn_recompute=m.ffn_recompute, ffn_chunk=m.ffn_chunk,
               embedding_dim=m.embedding_dim, neck_norm=m.neck_norm, head_parallel=m.head_parallel,
-              sample_rate=m.sample_rate, **engine)
+              sample_rate=m.sample_rate, head_update=m.head_update, **engine)
     if cfg.task == "metric" and "num_classes" not in engine:
         s.num_classes = 10_000
     return s

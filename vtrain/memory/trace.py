@@ -211,7 +211,9 @@ def _trace(setup: Setup, fake: bool) -> StepTrace:
             loss = out["loss"].float()
             tracker.backward = True
             loss.backward()
-        params = [*model.parameters(), *(head.parameters() if head is not None else ())]
+        # the sharded head's gradient: of its weight, or with sampling of the sampled rows' own leaves
+        params = [*model.parameters(), *(head.parameters() if head is not None else ()),
+                  *(leaf for _, leaf in (head.pending if head is not None else ()))]
         grads = {tracker.key_of(p.grad) for p in params if p.grad is not None} - {None}
     rec = tracker.recording()
     return StepTrace(rec.live_curve(grads)[0], rec.live_curve(set())[0], grads, rec, list(units))

@@ -42,16 +42,48 @@ class FlattenNeck(nn.Module):
         return self.norm(self.proj(self.reduce_norm(self.reduce(x.flatten(1)))))
 
 
-def margin_target(target: torch.Tensor, kind: str, margin: float) -> torch.Tensor:
-    """The target-class cosine with the margin applied (fp32, clamped cosines in): ArcFace cos(theta + m), CosFace
-    cos(theta) - m. Shared by MarginHead and the sharded head (partial_fc.py)."""
-    if kind == "arcface":
-        # cos(theta + m), with the standard fallback where theta + m > pi keeps the logit monotonic
-        sin = (1.0 - target * target).clamp_min(1e-7).sqrt()
-        with_margin = target * math.cos(margin) - sin * math.sin(margin)
-        th, mm = math.cos(math.pi - margin), math.sin(math.pi - margin) * margin
-        return torch.where(target > th, with_margin, target - mm)
-    return target - margin
+def margin_target(target: torch.Tensor, kind: str, margin: float, arcface_grad: str = "straight") -> torch.Tensor:
+    """The target-class cosine with the margin applied (fp32, clamped cosines in). Shared by MarginHead and the
+    sharded head (partial_fc.py); docs/face_head.md §1 gives the sources.
+
+    - CosFace: cos(theta) - m.
+    - ArcFace, `straight` (arcface_torch since commit 657ae30e): the value cos(theta + m) for every theta, the
+      gradient of cos(theta) itself: the margin is added without a gradient, so d logit / d cos(theta) = 1.
+    - ArcFace, `chain` (arcface_torch at 2e2e8c97): cos(theta + m) differentiated, and cos(theta) - m sin(m)
+      where theta + m > pi, which keeps the logit decreasing in theta there."""
+    if kind != "arcface":
+        return target - margin
+    if arcface_grad == "straight":
+        with torch.no_grad():
+            value = torch.cos(torch.acos(target) + margin)
+        return value + (target - target.detach())  # forward: `value` exactly; backward: the identity
+    sin = (1.0 - target * target).clamp_min(1e-7).sqrt()
+    with_margin = target * math.cos(margin) - sin * math.sin(margin)
+    th, mm = math.cos(math.pi - margin), math.sin(math.pi - margin) * margin
+    return torch.where(target > th, with_margin, target - mm)
+
+
+class _AngleRoundTrip(torch.autograd.Function):
+    """cos(arccos(x)) with the gradient of x: the values arcface_torch's ArcFace gives every logit (it works on
+    angles in place, under no_grad), which differ from x by a rounding only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.acos().cos_()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def class_logits(cos: torch.Tensor, kind: str, arcface_grad: str = "straight") -> torch.Tensor:
+    """The cosines every class's logit is made of (before the target's margin and the scale). ArcFace `straight`:
+    cos(arccos(x)), as arcface_torch computes them (docs/face_head.md §1: with s = 64 their rounding alone moves the
+    gradients by up to 1.6e-6 relative on the fixtures, 1.1e-7 with it), at one arccos and one cos per logit;
+    otherwise the cosines themselves."""
+    if kind == "arcface" and arcface_grad == "straight":
+        return _AngleRoundTrip.apply(cos)
+    return cos
 
 
 class MarginHead(nn.Module):
@@ -62,9 +94,9 @@ class MarginHead(nn.Module):
     """
 
     def __init__(self, dim: int, num_classes: int, kind: str = "arcface", margin: float = 0.5,
-                 scale: float = 64.0) -> None:
+                 scale: float = 64.0, arcface_grad: str = "straight") -> None:
         super().__init__()
-        self.kind, self.margin, self.scale = kind, margin, scale
+        self.kind, self.margin, self.scale, self.arcface_grad = kind, margin, scale, arcface_grad
         self.weight = nn.Parameter(torch.empty(num_classes, dim))
         nn.init.normal_(self.weight, std=0.01)
 
@@ -75,8 +107,9 @@ class MarginHead(nn.Module):
         with torch.autocast(device_type=emb.device.type, enabled=False):
             cos = self.cosine(emb).clamp(-1.0, 1.0)
             target = cos.gather(1, labels[:, None])
-            with_margin = margin_target(target, self.kind, self.margin)
-            logits = cos.scatter(1, labels[:, None], with_margin) * self.scale
+            with_margin = margin_target(target, self.kind, self.margin, self.arcface_grad)
+            logits = class_logits(cos, self.kind, self.arcface_grad).scatter(1, labels[:, None], with_margin)
+            logits = logits * self.scale
             loss = F.cross_entropy(logits, labels)
         return loss, cos.detach()
 
@@ -86,7 +119,7 @@ class MetricModel(nn.Module):
 
     def __init__(self, preset: str, num_classes: int, image_size: int = 112, embedding_dim: int = 512,
                  neck_norm: str = "bn", head: str = "arcface", margin: float = 0.5, scale: float = 64.0,
-                 drop_path: float | None = None) -> None:
+                 drop_path: float | None = None, arcface_grad: str = "straight") -> None:
         super().__init__()
         self.backbone = build_backbone(preset, image_size, drop_path)
         width = self.backbone.num_features
@@ -95,7 +128,7 @@ class MetricModel(nn.Module):
             self.neck = FlattenNeck(self.backbone.patch_embed.num_patches, width, embedding_dim, neck_norm)
         # num_classes 0: no head in the module (--head-parallel sharded keeps its class shard outside the module
         # the engine wraps, engine/head_shard.py; sharded checkpoints' model.safetensors holds no head)
-        self.head = MarginHead(embedding_dim, num_classes, head, margin, scale) if num_classes else None
+        self.head = MarginHead(embedding_dim, num_classes, head, margin, scale, arcface_grad) if num_classes else None
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         return self.neck(self.backbone(images))

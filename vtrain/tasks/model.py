@@ -30,7 +30,7 @@ def build_model(task: str, m: ModelConfig, num_classes: int) -> nn.Module:
         # --head-parallel sharded: the head lives outside the model (engine/head_shard.py)
         classes = 0 if m.head_parallel == "sharded" else num_classes
         model = MetricModel(m.preset, classes, m.image_size, m.embedding_dim, m.neck_norm, m.head, m.margin,
-                            m.scale, m.drop_path)
+                            m.scale, m.drop_path, m.arcface_grad)
     # --grad-ckpt units (vtrain/recompute.py), checked against this model; `auto` is decided by the memory planner
     # of the training run (engine/autoplan.py), which applies its plan to the built model: nothing here
     if not recompute.parse(m.grad_ckpt).auto:
