@@ -108,6 +108,13 @@ class ModelConfig(Section):
     1e-3; mmdetection's head 1e-5)."""
     clip_boxes: bool = field(default=False, metadata=NO_FLAG)
     """DINO: post-processed boxes are clipped to the image (detrex, mmdetection); IDEA DINO does not clip."""
+    shared_class_head: bool = False
+    """DINO: one class head for every decoder layer, as IDEA DINO's published configs train
+    (`dec_pred_class_embed_share=True`); default one per layer (mmdetection, detrex). The encoder-proposal head is
+    its own either way. `vtrain convert --from idea-dino` sets it from the file."""
+    shared_box_head: bool = False
+    """DINO: one box head (which also refines the reference boxes) for every decoder layer, as IDEA DINO's
+    published configs train (`dec_pred_bbox_embed_share=True`); default one per layer (mmdetection, detrex)."""
     pretrained_min_match: float = 0.9
     """Share of the target's tensors (the backbone's for a backbone file, the model's for a full file) that a
     --pretrained file must fill; fewer is an error (a file of another model), unless --allow-partial-pretrained."""
