@@ -26,7 +26,8 @@ class ModelConfig(Section):
 
     preset: str = field(default="debug", metadata={"flag": "--model"})
     """Backbone preset (see `vtrain presets`). Metric: `debug`, `vit-t/s/b/l`, `swin-t/b/l`, `resnet50`; DINO:
-    `debug`, `debug-resnet`, `swin-l` (5-scale), `swin-l-4scale`, `swin-b`, `swin-t`, `resnet50`."""
+    `debug`, `debug-resnet`, `demo-resnet` (make demo's), `swin-l` (5-scale), `swin-l-4scale`, `swin-b`, `swin-t`,
+    `resnet50`."""
     pretrained: str | None = None
     """Local weights file (`.safetensors` or `.pt`; nothing is downloaded): a timm backbone (position embeddings
     resampled by timm's own filter) or a vtrain model state dict; or a vtrain checkpoint directory (or a run's
