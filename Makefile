@@ -9,9 +9,9 @@ TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 # The demo's detection recipe; benchmarks/demo_seeds.py reads it from here and runs it for several seeds
 # (README: the AP range over seeds; docs/determinism.md §4). --deterministic --threads 1 below make a run repeatable
 # on one machine whatever OMP_NUM_THREADS says.
-DEMO_DINO_FLAGS := --task dino --model debug-resnet --data demo --image-size 192 --batch-size 4 --max-steps 600 \
-	--lr 5e-4 --warmup-steps 100 --ema-decay 0.99 --backbone-lr-mult 1 --clip-grad 1.0 --mixed-precision no --num-workers 1 \
-	--log-every 50 --eval-every 300 --save-every 300 --keep-last 1
+DEMO_DINO_FLAGS := --task dino --model demo-resnet --data demo --image-size 192 --batch-size 8 --max-steps 950 \
+	--lr 1e-3 --warmup-steps 50 --ema-decay 0.99 --backbone-lr-mult 1 --clip-grad 1.0 --mixed-precision no --num-workers 1 \
+	--log-every 50 --eval-every 500 --save-every 500 --keep-last 1
 
 .PHONY: demo test test-fast fuzz install clean
 

@@ -98,11 +98,18 @@ DINO_PRESETS: dict[str, Callable[[], DinoPreset]] = {
                                 "tiny Swin + 64-d 2+2-layer DINO for tests and the CPU demo", out_norm=True,
                                 dim=64, ffn=128, enc_layers=2, dec_layers=2, heads=4, points=4, queries=100,
                                 dn_queries=20),
-    # the CPU demo: trained from scratch (no downloads), a small conv backbone learns far faster than a tiny Swin
-    # (demo data, lr 1e-3: AP 8-15 after 600 steps, the tiny Swin 0.2 after 500)
-    "debug-resnet": lambda: DinoPreset("resnet10t", (2, 3, 4), 4, {}, "ResNet-10-T + 64-d 2+2-layer DINO (CPU demo)",
+    # tests and the earlier CPU demo: trained from scratch (no downloads), a small conv backbone learns far faster
+    # than a tiny Swin (demo data, lr 1e-3: AP 8-15 after 600 steps, the tiny Swin 0.2 after 500)
+    "debug-resnet": lambda: DinoPreset("resnet10t", (2, 3, 4), 4, {}, "ResNet-10-T + 64-d 2+2-layer DINO (tests)",
                                        dim=64, ffn=128, enc_layers=2, dec_layers=2, heads=4, points=4, queries=100,
                                        dn_queries=20),
+    # the CPU demo (make demo, docs/detection.md "The demo model"): ResNet-10-T at half width (stem 16, stages 32-256
+    # channels) from scratch, read at strides 16 and 32 plus two stride-2 levels (16-128): 0.39x debug-resnet's
+    # compute per image (benchmarks/demo_step_cost.py), so a run sees 2.5 times the images in about the same time
+    "demo-resnet": lambda: DinoPreset("resnet10t", (3, 4), 4, dict(channels=(32, 64, 128, 256), stem_width=16),
+                                      "ResNet-10-T at half width, strides 16-128 + 64-d 2+2-layer DINO (the CPU demo)",
+                                      dim=64, ffn=128, enc_layers=2, dec_layers=2, heads=4, points=4, queries=100,
+                                      dn_queries=40),
     # MMD dino-5scale_swin-l_8xb2-12e_coco: embed 192, depths 2/2/18/2, window 12, drop-path 0.2 (docs/dino.md §1.2)
     "swin-l": lambda: DinoPreset("swin_large_patch4_window12_384", (0, 1, 2, 3), 5, dict(_SWIN),
                                  "Swin-L/12 (384, IN-22k layout), DINO 5-scale (strides 4-64)", drop_path=0.2,

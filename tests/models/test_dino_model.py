@@ -164,7 +164,10 @@ def test_every_preset_trains_and_predicts_at_a_small_size(preset):
     model.eval()
     with torch.no_grad():
         pred = model(batch["images"], batch["masks"])
-    assert pred["pred_logits"].shape == (2, 50, 3) and pred["pred_boxes"].shape == (2, 50, 4)
+    # two-stage selection takes at most one query per encoder token: demo-resnet reads strides 16-128, on 64x96
+    # that is 24 + 6 + 2 + 1 = 33 tokens, fewer than the 50 queries
+    k = 33 if preset == "demo-resnet" else 50
+    assert pred["pred_logits"].shape == (2, k, 3) and pred["pred_boxes"].shape == (2, k, 4)
     assert ((pred["pred_boxes"] >= 0) & (pred["pred_boxes"] <= 1)).all()
 
 
@@ -279,14 +282,16 @@ def test_pretrained_full_detector_with_other_classes_keeps_all_but_class_tensors
     assert not torch.equal(model.cls_heads[0].weight[:4], src.cls_heads[0].weight[:4])
 
 
-def test_giou_loss_matches_torchvision():
-    from torchvision.ops import generalized_box_iou_loss
+def test_giou_matches_torchvision_without_eps():
+    from torchvision.ops import generalized_box_iou, generalized_box_iou_loss
 
-    from vtrain.models.dino.criterion import giou_loss
+    from vtrain.models.dino.matcher import generalized_iou
 
     g = torch.Generator().manual_seed(0)
     xy = torch.rand(20, 2, generator=g)
     a = torch.cat([xy, xy + torch.rand(20, 2, generator=g) * 0.5], 1)
     xy = torch.rand(20, 2, generator=g)
     b = torch.cat([xy, xy + torch.rand(20, 2, generator=g) * 0.5], 1)
-    torch.testing.assert_close(giou_loss(a, b), generalized_box_iou_loss(a, b), atol=1e-5, rtol=1e-5)
+    # the formula is torchvision's; vtrain's default eps (IDEA DINO's 1e-6) is the one difference
+    torch.testing.assert_close(1 - generalized_iou(a, b, pairwise=False, eps=0.0), generalized_box_iou_loss(a, b))
+    torch.testing.assert_close(generalized_iou(a, b, eps=0.0), generalized_box_iou(a, b))

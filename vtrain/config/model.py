@@ -30,7 +30,8 @@ class ModelConfig(Section):
 
     preset: str = field(default="debug", metadata={"flag": "--model"})
     """Backbone preset (see `vtrain presets`). Metric: `debug`, `vit-t/s/b/l`, `swin-t/b/l`, `resnet50`; DINO:
-    `debug`, `debug-resnet`, `swin-l` (5-scale), `swin-l-4scale`, `swin-b`, `swin-t`, `resnet50`."""
+    `debug`, `debug-resnet`, `demo-resnet` (make demo's), `swin-l` (5-scale), `swin-l-4scale`, `swin-b`, `swin-t`,
+    `resnet50`."""
     pretrained: str | None = None
     """Local weights file (`.safetensors` or `.pt`; nothing is downloaded): a timm backbone (position embeddings
     resampled by timm's own filter) or a vtrain model state dict; or a vtrain checkpoint directory (or a run's
@@ -122,6 +123,13 @@ class ModelConfig(Section):
     1e-3; mmdetection's head 1e-5)."""
     clip_boxes: bool = field(default=False, metadata={**NO_FLAG, **DINO_ONLY})
     """DINO: post-processed boxes are clipped to the image (detrex, mmdetection); IDEA DINO does not clip."""
+    shared_class_head: bool = False
+    """DINO: one class head for every decoder layer, as IDEA DINO's published configs train
+    (`dec_pred_class_embed_share=True`); default one per layer (mmdetection, detrex). The encoder-proposal head is
+    its own either way. `vtrain convert --from idea-dino` sets it from the file."""
+    shared_box_head: bool = False
+    """DINO: one box head (which also refines the reference boxes) for every decoder layer, as IDEA DINO's
+    published configs train (`dec_pred_bbox_embed_share=True`); default one per layer (mmdetection, detrex)."""
     pretrained_min_match: float = 0.9
     """Share of the target's tensors (the backbone's for a backbone file, the model's for a full file) that a
     --pretrained file must fill; fewer is an error (a file of another model), unless --allow-partial-pretrained."""

@@ -10,6 +10,8 @@ from vtrain.config.fields import NO_FLAG, Section
 
 Schedule = Literal["cosine", "step", "constant"]
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
+DecaySkip = Literal["norms", "none"]
+DECAY_SKIPS: tuple[str, ...] = typing.get_args(DecaySkip)
 
 
 @dataclass
@@ -19,7 +21,11 @@ class OptimConfig(Section):
     lr: float = 1e-3
     """Peak learning rate (AdamW)."""
     weight_decay: float = 0.05
-    """AdamW weight decay; never applied to norms, biases, position embeddings, tokens."""
+    """AdamW weight decay, on the parameters --weight-decay-skip leaves in."""
+    weight_decay_skip: DecaySkip = "norms"
+    """Parameters left out of weight decay: `norms` (norms, biases, position embeddings and tokens, timm's grouping)
+    or `none`: every parameter decays, as IDEA DINO (`util/get_param_dicts.py`) and mmdetection's DINO configs train
+    (the dino task's default)."""
     backbone_lr_mult: float = 1.0
     """Backbone learning rate multiplier (DINO's recipe: 0.1)."""
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=NO_FLAG)
@@ -52,6 +58,7 @@ class OptimConfig(Section):
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "two values in [0, 1)")
         check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         check(self.schedule in SCHEDULES, "schedule", f"choose one of {SCHEDULES}")
+        check(self.weight_decay_skip in DECAY_SKIPS, "weight_decay_skip", f"choose one of {DECAY_SKIPS}")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         check(all(m > 0 for m in self.milestones), "milestones", "must be positive step numbers")
         check(self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 disables)")

@@ -144,11 +144,11 @@ FLAG_SECTIONS: dict[str, tuple[str, ...]] = {section: tuple(f.name for f in fiel
 TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     # insightface ViT recipe uses AdamW lr 1e-3, wd 0.1 (docs/face.md §1.2); our small-batch default keeps lr 1e-3.
     "metric": {"optim": {"lr": 1e-3, "weight_decay": 0.1}},
-    # DINO recipe (docs/dino.md §1.1): AdamW 1e-4, wd 1e-4, backbone x0.1, clip 0.1, step decay x0.1, no warm-up;
-    # test resize 800 (long side 1333); micro-batch 2 per GPU.
+    # DINO recipe (docs/dino.md §1.1): AdamW 1e-4, wd 1e-4 on every parameter, backbone x0.1, clip 0.1, step decay
+    # x0.1, no warm-up; test resize 800 (long side 1333); micro-batch 2 per GPU.
     "dino": {"model": {"image_size": 800},
-             "optim": {"lr": 1e-4, "weight_decay": 1e-4, "backbone_lr_mult": 0.1, "clip_grad": 0.1,
-                       "schedule": "step", "gamma": 0.1, "warmup_steps": 0},
+             "optim": {"lr": 1e-4, "weight_decay": 1e-4, "weight_decay_skip": "none", "backbone_lr_mult": 0.1,
+                       "clip_grad": 0.1, "schedule": "step", "gamma": 0.1, "warmup_steps": 0},
              "train": {"batch_size": 2}},
 }
 

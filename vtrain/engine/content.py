@@ -272,6 +272,9 @@ def describe(cfg: RunConfig, classes: int | None) -> dict[str, Any]:
     if cfg.task == "dino":
         preset = DINO_PRESETS.get(m.preset)
         d["num_queries"] = m.num_queries or (preset().queries if preset else None)
+        # shared heads are stored once: another set of head tensors (models/dino/detector.py)
+        d["class_head"] = "shared" if m.shared_class_head else "per layer"
+        d["box_head"] = "shared" if m.shared_box_head else "per layer"
     else:
         d.update(embedding_dim=m.embedding_dim, neck_norm=m.neck_norm,
                  head="sharded" if m.head_parallel == "sharded" else "in the model")

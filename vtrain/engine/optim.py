@@ -1,5 +1,5 @@
-"""AdamW parameter groups (no decay on norms/biases/position embeddings, backbone LR multiplier, layer-wise LR
-decay) and schedules."""
+"""AdamW parameter groups (no decay on norms/biases/position embeddings unless --weight-decay-skip none, backbone
+LR multiplier, layer-wise LR decay) and schedules."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ def backbone_layer_ids(model: nn.Module, backbone_prefix: str = "backbone.") -> 
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig, backbone_prefix: str = "backbone.") -> list[dict]:
-    """AdamW groups: weight decay except on norms, biases, position embeddings and tokens; backbone parameters at
-    `lr * backbone_lr_mult`. With `cfg.layer_decay` R the backbone is further split by timm's layer id
+    """AdamW groups: weight decay except on norms, biases, position embeddings and tokens (`weight_decay_skip`
+    `norms`; with `none` those groups decay too, and keep their place, so a checkpoint's optimizer state fits either
+    way); backbone parameters at `lr * backbone_lr_mult`. With `cfg.layer_decay` R the backbone is further split by timm's layer id
     (`backbone_layer_ids`, L layers): lr * backbone_lr_mult * R^(L - id), so the last block gets R and the stem
     R^L, while the head (neck, heads, DINO's transformer) keeps `lr`, like the head in timm's own layer decay.
     Backbone parameters outside the timm model (DINO's output norms) count as layer L. Each group's `lr` is its
@@ -56,7 +57,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig, backbone_prefix: str = "bac
                 lr *= cfg.backbone_lr_mult
                 if cfg.layer_decay is not None:
                     lr *= cfg.layer_decay ** (num_layers - layer)
-            groups[key] = {"params": [], "lr": lr, "weight_decay": 0.0 if no_decay else cfg.weight_decay}
+            exempt = no_decay and cfg.weight_decay_skip == "norms"
+            groups[key] = {"params": [], "lr": lr, "weight_decay": 0.0 if exempt else cfg.weight_decay}
             if cfg.layer_decay is not None and is_backbone:
                 groups[key]["layer"] = layer
         groups[key]["params"].append(p)
@@ -65,7 +67,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig, backbone_prefix: str = "bac
         part = "backbone" if is_backbone else "head"
         if "layer" in g:
             part += f"/layer{layer}"
-        g["group"] = part + ("/no_decay" if no_decay else "")
+        g["group"] = part + (("/no_decay" if g["weight_decay"] == 0.0 else "/norms") if no_decay else "")
         out.append(g)
     return out
 

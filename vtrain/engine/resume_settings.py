@@ -60,7 +60,7 @@ def apply(mine: dict[str, Any], engine: Any, scheduler: Any, saved: RunConfig | 
                 changed.add(k)
                 group[k] = tuple(v) if isinstance(v, list) else v
     if changed:
-        what = _changed(saved, cfg, "weight_decay", "betas") or ", ".join(sorted(changed))
+        what = _changed(saved, cfg, "weight_decay", "weight_decay_skip", "betas") or ", ".join(sorted(changed))
         notes.append(f"{what} on resume: applied to every parameter group (the checkpoint's optimizer state held "
                      "the old value)")
     if saved is not None:

@@ -40,6 +40,8 @@ class Setup:
     embedding_dim: int = 512  # metric: the embedding the head sees
     neck_norm: str = ModelConfig.neck_norm  # metric: the embedding neck's norm (bn needs a micro-batch >= 2)
     head_parallel: str = "none"  # metric: none | sharded (the Partial FC head outside the model, memory/head.py)
+    shared_class_head: bool = False  # DINO: one class head for every decoder layer (ModelConfig.shared_class_head)
+    shared_box_head: bool = False  # DINO: one box head for every decoder layer (ModelConfig.shared_box_head)
     sample_rate: float = 1.0  # metric, sharded head: share of each rank's classes per step
     head_update: str = ModelConfig.head_update  # metric, sharded head: dense | sampled (its gradient's size)
     ds_buckets: tuple[float, float] = (VTRAIN_DS_BUCKET, VTRAIN_DS_BUCKET)  # reduce, allgather (elements)
@@ -79,7 +81,8 @@ def run_setup(cfg: RunConfig, precision: str, **engine: Any) -> Setup:
     s = Setup(task=cfg.task, preset=m.preset, batch_size=cfg.train.batch_size, image_size=size, precision=precision,
               grad_ckpt=() if spec.auto else tuple(spec.canonical()), ffn_recompute=m.ffn_recompute, ffn_chunk=m.ffn_chunk,
               embedding_dim=m.embedding_dim, neck_norm=m.neck_norm, head_parallel=m.head_parallel,
-              sample_rate=m.sample_rate, head_update=m.head_update, **engine)
+              sample_rate=m.sample_rate, head_update=m.head_update, shared_class_head=m.shared_class_head,
+              shared_box_head=m.shared_box_head, **engine)
     if cfg.task == "metric" and "num_classes" not in engine:
         s.num_classes = 10_000
     return s

@@ -117,7 +117,8 @@ def build_model(setup: Setup) -> nn.Module:
     m = ModelConfig(preset=setup.preset, image_size=size, grad_ckpt=list(setup.grad_ckpt),
                     ffn_recompute=setup.ffn_recompute, ffn_chunk=setup.ffn_chunk,
                     embedding_dim=setup.embedding_dim, neck_norm=setup.neck_norm, head_parallel=setup.head_parallel,
-                    sample_rate=setup.sample_rate)
+                    sample_rate=setup.sample_rate, shared_class_head=setup.shared_class_head,
+                    shared_box_head=setup.shared_box_head)
     model = build_task_model(setup.task, m, setup.num_classes)
     if setup.ffn_units is not None:
         set_hidden_recompute(model, setup.ffn_units)

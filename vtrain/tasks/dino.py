@@ -168,7 +168,10 @@ class DinoTask:
     # ---- model --------------------------------------------------------------------------------------------
     def build_model(self, num_classes: int | None = None) -> DINO:
         n = num_classes if num_classes is not None else self.train_dataset().num_classes
-        return build_model(self.name, self.cfg.model, n)
+        model = build_model(self.name, self.cfg.model, n)
+        if model.describe() not in self.notes:  # the run's log: drop-path rate in force, queries, head layout
+            self.notes.append(model.describe())
+        return model
 
     def load_pretrained(self, model: DINO, weights: str | Path | None = None,
                         categories: list[dict[str, Any]] | None = None) -> str:

@@ -18,7 +18,8 @@ def dino_options(m: ModelConfig) -> DinoOptions:
     """The DINO model options of a model config (ModelConfig's fields of the same names)."""
     return DinoOptions(neck_bias=m.neck_bias, pos_temperature=m.pos_temperature, pos_offset=m.pos_offset,
                        pos_normalize=m.pos_normalize, mask_invalid_proposals=m.mask_invalid_proposals,
-                       refine_eps=m.refine_eps, box_eps=m.box_eps, clip_boxes=m.clip_boxes)
+                       refine_eps=m.refine_eps, box_eps=m.box_eps, clip_boxes=m.clip_boxes,
+                       shared_class_head=m.shared_class_head, shared_box_head=m.shared_box_head)
 
 
 def build_model(task: str, m: ModelConfig, num_classes: int) -> nn.Module:

@@ -15,7 +15,7 @@ from torchvision.ops import box_convert, sigmoid_focal_loss
 
 from vtrain.dist import mean_over_ranks
 from vtrain.models.dino.denoising import DenoisingGroups
-from vtrain.models.dino.matcher import host_list, hungarian_match
+from vtrain.models.dino.matcher import generalized_iou, host_list, hungarian_match
 
 WEIGHTS = {"cls": 1.0, "bbox": 5.0, "giou": 2.0}
 
@@ -26,16 +26,9 @@ def global_num_boxes(num_targets: torch.Tensor) -> float:
     return max(total, 1.0)
 
 
-def giou_loss(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
-    """1 - GIoU of paired xyxy boxes, elementwise. (torchvision's generalized_box_iou_loss indexes with a boolean
-    mask, which the memory estimator's fake tensors cannot trace; the math is the same.)"""
-    lt, rb = torch.max(a[:, :2], b[:, :2]), torch.min(a[:, 2:], b[:, 2:])
-    inter = (rb - lt).clamp(min=0).prod(1)
-    area_a = (a[:, 2:] - a[:, :2]).prod(1)
-    area_b = (b[:, 2:] - b[:, :2]).prod(1)
-    union = area_a + area_b - inter
-    hull = (torch.max(a[:, 2:], b[:, 2:]) - torch.min(a[:, :2], b[:, :2])).clamp(min=0).prod(1)
-    return 1 - inter / (union + eps) + (hull - union) / (hull + eps)
+def giou_loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """1 - GIoU of paired xyxy boxes, elementwise (matcher.generalized_iou, IDEA DINO's eps)."""
+    return 1 - generalized_iou(a, b, pairwise=False)
 
 
 def _set_losses(logits: torch.Tensor, boxes: torch.Tensor, q_idx: list[torch.Tensor], tgt_labels: torch.Tensor,
@@ -57,28 +50,23 @@ def _set_losses(logits: torch.Tensor, boxes: torch.Tensor, q_idx: list[torch.Ten
     return {"cls": cls, "bbox": l1, "giou": giou}
 
 
-def dino_loss(out: dict, labels: torch.Tensor, boxes: torch.Tensor, num_targets: torch.Tensor,
-              dn: DenoisingGroups | None) -> dict[str, torch.Tensor]:
-    """out: per-layer `logits`/`boxes` lists (matching part), `enc_logits`/`enc_boxes`, and `dn_logits`/`dn_boxes`
-    lists when denoising ran. Returns the weighted total `loss` and its parts (last layer, encoder, denoising)."""
+def loss_terms(out: dict, labels: torch.Tensor, boxes: torch.Tensor, num_targets: torch.Tensor,
+               dn: DenoisingGroups | None) -> dict[str, torch.Tensor]:
+    """Every unweighted loss term, `<part>_<kind>`: part `dec<i>` (decoder layer i's matching queries), `enc` (the
+    encoder's top-k proposals) or `dn<i>` (layer i's denoising queries); kind `cls`, `bbox` or `giou` (WEIGHTS).
+    IDEA DINO's SetCriterion names the same terms loss_ce_<i> / loss_ce (last layer), loss_ce_interm, loss_ce_dn_<i>
+    / loss_ce_dn (tests/models/test_idea_criterion.py compares them one by one). In fp32 with autocast off."""
     with torch.autocast(device_type=labels.device.type, enabled=False):
         num_boxes = global_num_boxes(num_targets)
-        parts: dict[str, torch.Tensor] = {}
-        total = 0.0
+        terms: dict[str, torch.Tensor] = {}
 
-        def add(prefix: str | None, losses: dict[str, torch.Tensor]) -> None:
-            """Add to the total; log the parts of the last layer, the encoder and the last denoising layer."""
-            nonlocal total
-            for k, v in losses.items():
-                total = total + WEIGHTS[k] * v
-                if prefix is not None:
-                    parts[f"{prefix}_{k}"] = v.detach()
+        def add(part: str, losses: dict[str, torch.Tensor]) -> None:
+            terms.update({f"{part}_{k}": v for k, v in losses.items()})
 
-        layers = len(out["logits"])
         for i, (lg, bx) in enumerate(zip(out["logits"], out["boxes"])):
             match = hungarian_match(lg, bx, labels, boxes, num_targets)
-            add("loss" if i == layers - 1 else None, _set_losses(lg, bx, [m[0] for m in match], labels, boxes,
-                                                                   [m[1] for m in match], num_boxes))
+            add(f"dec{i}", _set_losses(lg, bx, [m[0] for m in match], labels, boxes, [m[1] for m in match],
+                                       num_boxes))
         match = hungarian_match(out["enc_logits"], out["enc_boxes"], labels, boxes, num_targets)
         add("enc", _set_losses(out["enc_logits"], out["enc_boxes"], [m[0] for m in match], labels, boxes,
                                [m[1] for m in match], num_boxes))
@@ -89,6 +77,22 @@ def dino_loss(out: dict, labels: torch.Tensor, boxes: torch.Tensor, num_targets:
                 q_idx.append(dn.positive_slots(i, n))
                 t_idx.append(torch.arange(n, device=labels.device).repeat(dn.groups))
             for i, (lg, bx) in enumerate(zip(out["dn_logits"], out["dn_boxes"])):
-                add("dn" if i == layers - 1 else None, _set_losses(lg, bx, q_idx, labels, boxes, t_idx,
-                                                                      num_boxes * dn.groups))
-        return {"loss": total, **parts}
+                add(f"dn{i}", _set_losses(lg, bx, q_idx, labels, boxes, t_idx, num_boxes * dn.groups))
+        return terms
+
+
+def dino_loss(out: dict, labels: torch.Tensor, boxes: torch.Tensor, num_targets: torch.Tensor,
+              dn: DenoisingGroups | None) -> dict[str, torch.Tensor]:
+    """out: per-layer `logits`/`boxes` lists (matching part), `enc_logits`/`enc_boxes`, and `dn_logits`/`dn_boxes`
+    lists when denoising ran. Returns the weighted total `loss` of every term (`loss_terms`) and, for the log, the
+    parts of the last layer (`loss_cls`, ...), the encoder (`enc_cls`, ...) and the last denoising layer (`dn_cls`,
+    ...)."""
+    terms = loss_terms(out, labels, boxes, num_targets, dn)
+    total = 0.0
+    for name, v in terms.items():
+        total = total + WEIGHTS[name.rsplit("_", 1)[1]] * v
+    last = len(out["logits"]) - 1
+    logged = {f"dec{last}": "loss", "enc": "enc", f"dn{last}": "dn"}
+    parts = {f"{logged[p]}_{k}": v.detach() for name, v in terms.items()
+             for p, k in [name.rsplit("_", 1)] if p in logged}
+    return {"loss": total, **parts}

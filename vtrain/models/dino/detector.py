@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import timm
+from timm.layers import DropPath
 from timm.models.swin_transformer import SwinTransformer
 import torch
 import torch.nn.functional as F
@@ -36,9 +37,8 @@ class Backbone(nn.Module):
     def __init__(self, p: DinoPreset, drop_path: float | None = None) -> None:
         super().__init__()
         kwargs = dict(p.kwargs)
-        rate = p.drop_path if drop_path is None else drop_path
-        if rate:
-            kwargs["drop_path_rate"] = rate
+        # a stated rate is always passed, 0.0 too: timm's own default is not 0 for every model (Swin: 0.1)
+        kwargs["drop_path_rate"] = p.drop_path if drop_path is None else drop_path
         if p.timm_name.startswith("swin"):
             # the detection Swin: every odd block of every stage shifts, also where one window covers the map
             # (docs/detection.md "The detection Swin"); timm's default turns the shift off there
@@ -63,6 +63,12 @@ class Backbone(nn.Module):
                 if name.startswith(("conv1.", "bn1.", "layer1.")):
                     param.requires_grad_(False)
 
+    @property
+    def drop_path(self) -> float:
+        """The stochastic-depth rate in force: the largest drop probability of the model's DropPath layers (timm
+        raises it linearly to the configured rate over the blocks), 0.0 when it has none."""
+        return max((float(m.drop_prob) for m in self.body.modules() if isinstance(m, DropPath)), default=0.0)
+
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.swin:
             return swin_features(self.body, x, self.indices, self.out_norms)
@@ -86,6 +92,8 @@ class DinoOptions:
     refine_eps: float = 1e-3
     box_eps: float = 1e-3
     clip_boxes: bool = False
+    shared_class_head: bool = False
+    shared_box_head: bool = False
 
 
 class ChannelMapper(nn.Module):
@@ -143,10 +151,33 @@ class DINO(nn.Module):
         self.query_embed = nn.Embedding(self.num_queries, d)
         # denoising label embedding; index num_classes marks padding slots and stays zero
         self.label_embed = nn.Embedding(num_classes + 1, d, padding_idx=num_classes)
-        # heads 0..L-1 for the decoder layers, head L for the encoder proposals
-        self.cls_heads = nn.ModuleList(nn.Linear(d, num_classes) for _ in range(p.dec_layers + 1))
-        self.reg_heads = nn.ModuleList(MLP(d, d, 4, 3) for _ in range(p.dec_layers + 1))
+        # heads 0..L-1 for the decoder layers and the last for the encoder proposals; a shared head (IDEA DINO's
+        # dec_pred_class_embed_share / dec_pred_bbox_embed_share) is one module for every decoder layer, stored once
+        # as head 0, so its index L is 1 (no tied tensors: every engine and checkpoint sees plain parameters)
+        n_cls = 1 if o.shared_class_head else p.dec_layers
+        n_box = 1 if o.shared_box_head else p.dec_layers
+        self.cls_heads = nn.ModuleList(nn.Linear(d, num_classes) for _ in range(n_cls + 1))
+        self.reg_heads = nn.ModuleList(MLP(d, d, 4, 3) for _ in range(n_box + 1))
         self._init_weights()
+
+    def cls_head(self, layer: int) -> nn.Module:
+        """The class head of decoder layer `layer` (the shared one when shared)."""
+        return self.cls_heads[0 if self.options.shared_class_head else layer]
+
+    def box_head(self, layer: int) -> nn.Module:
+        """The box head of decoder layer `layer` (the shared one when shared); it also refines the layer's
+        reference boxes."""
+        return self.reg_heads[0 if self.options.shared_box_head else layer]
+
+    def describe(self) -> str:
+        """One log line: the settings of the built model that the preset and the options decide."""
+        n = self.preset.dec_layers
+        heads = ", ".join(f"{what} head shared by the {n} decoder layers" if shared else
+                          f"a {what} head for each of the {n} decoder layers"
+                          for what, shared in (("class", self.options.shared_class_head),
+                                               ("box", self.options.shared_box_head)))
+        return (f"model: backbone {self.preset.timm_name}, drop-path rate {self.backbone.drop_path:g}; "
+                f"{self.num_queries} matching + {self.dn_queries} denoising queries; {heads}")
 
     def _init_weights(self) -> None:
         nn.init.normal_(self.level_embed)
@@ -266,12 +297,13 @@ class DINO(nn.Module):
             query = torch.cat([self.label_embed(dn.label_ids).to(query.dtype), query], 1)
             reference = torch.cat([dn.boxes_unact, reference], 1)
         attn_mask = dn.attn_mask if dn is not None else None
+        layers = range(self.preset.dec_layers)
         hidden, refs = self.decoder(query, reference.sigmoid(), memory, shapes, ratios, mask, attn_mask,
-                                    self.reg_heads)
+                                    [self.box_head(i) for i in layers])
         logits, coords = [], []
         for i, (h, r) in enumerate(zip(hidden, refs)):
-            logits.append(self.cls_heads[i](h).float())
-            delta = self.reg_heads[i](h).float()
+            logits.append(self.cls_head(i)(h).float())
+            delta = self.box_head(i)(h).float()
             coords.append((delta + inverse_sigmoid(r.float(), self.options.box_eps)).sigmoid())
         n_dn = dn.num_queries if dn is not None else 0
         out = {"logits": [x[:, n_dn:] for x in logits], "boxes": [x[:, n_dn:] for x in coords],

@@ -2,6 +2,8 @@
 
 Costs (docs/dino.md §1.1, MMD HungarianAssigner / official DINO): focal-loss class cost (alpha 0.25, gamma 2) x 2,
 L1 on normalised cxcywh x 5, negative GIoU x 2. Computed per image in fp32 on the device, solved on the CPU.
+GIoU adds GIOU_EPS to the union and the enclosing box on normalised boxes, in the cost and in the loss, as IDEA DINO
+does (`util/box_ops.py`; docs/detection.md "GIoU eps").
 """
 
 from __future__ import annotations
@@ -10,7 +12,25 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
-from torchvision.ops import box_convert, generalized_box_iou
+from torchvision.ops import box_convert
+
+
+GIOU_EPS = 1e-6
+"""Added to the union and to the enclosing box's area (normalised boxes) in every GIoU, cost and loss: IDEA DINO's
+`generalized_box_iou` (docs/detection.md "GIoU eps" gives the effect)."""
+
+
+def generalized_iou(a: torch.Tensor, b: torch.Tensor, pairwise: bool = True, eps: float = GIOU_EPS) -> torch.Tensor:
+    """GIoU of xyxy boxes: (N, M) for every pair of a (N, 4) and b (M, 4), or (N,) of paired rows with
+    `pairwise=False`. inter / (union + eps) - (hull - union) / (hull + eps), IDEA DINO's form. (torchvision's has no
+    eps, and its loss indexes with a boolean mask, which the memory estimator's fake tensors cannot trace.)"""
+    if pairwise:
+        a, b = a[:, None], b[None]
+    lt, rb = torch.max(a[..., :2], b[..., :2]), torch.min(a[..., 2:], b[..., 2:])
+    inter = (rb - lt).clamp(min=0).prod(-1)
+    union = (a[..., 2:] - a[..., :2]).prod(-1) + (b[..., 2:] - b[..., :2]).prod(-1) - inter
+    hull = (torch.max(a[..., 2:], b[..., 2:]) - torch.min(a[..., :2], b[..., :2])).clamp(min=0).prod(-1)
+    return inter / (union + eps) - (hull - union) / (hull + eps)
 
 
 def match_cost(logits: torch.Tensor, boxes: torch.Tensor, tgt_labels: torch.Tensor, tgt_boxes: torch.Tensor,
@@ -22,8 +42,8 @@ def match_cost(logits: torch.Tensor, boxes: torch.Tensor, tgt_labels: torch.Tens
     pos = alpha * (1 - prob).pow(gamma) * -(prob + 1e-8).log()
     cost_class = pos - neg
     cost_bbox = torch.cdist(boxes.float(), tgt_boxes.float(), p=1)
-    cost_giou = -generalized_box_iou(box_convert(boxes.float(), "cxcywh", "xyxy"),
-                                     box_convert(tgt_boxes.float(), "cxcywh", "xyxy"))
+    cost_giou = -generalized_iou(box_convert(boxes.float(), "cxcywh", "xyxy"),
+                                 box_convert(tgt_boxes.float(), "cxcywh", "xyxy"))
     return w_class * cost_class + w_bbox * cost_bbox + w_giou * cost_giou
 
 

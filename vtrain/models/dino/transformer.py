@@ -9,6 +9,7 @@ models/checkpointing.py), checkpointed on the block itself.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -224,7 +225,7 @@ class Decoder(_Layers):
         self.refine_eps = 1e-3  # inverse_sigmoid's eps in the refinement (DinoOptions.refine_eps)
 
     def forward(self, query, reference, memory, spatial_shapes, valid_ratios, memory_mask, attn_mask,
-                reg_branches: nn.ModuleList) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                reg_branches: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """query (B, Q, D); reference (B, Q, 4) sigmoid boxes. Returns per layer the normed hidden states and
         the reference boxes each layer's prediction starts from (undetached)."""
         hidden, refs = [], [reference]

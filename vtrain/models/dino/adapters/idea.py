@@ -9,8 +9,11 @@ Key layout of IDEA DINO at faa8520f (`models/dino/dino.py`, `deformable_transfor
   rest are the stride-2 extra levels.
 - decoder layers apply `norm2` after self-attention and `norm1` after cross-attention.
 - heads: `class_embed.{i}` / `bbox_embed.{i}` per decoder layer, tied in the file with
-  `transformer.decoder.class_embed.{i}` / `bbox_embed.{i}` (dec_pred_*_embed_share: checked equal, read once);
-  `transformer.enc_out_*` are the encoder-proposal heads (vtrain's last head).
+  `transformer.decoder.class_embed.{i}` / `bbox_embed.{i}` (checked equal, read once); `transformer.enc_out_*` are
+  the encoder-proposal heads (vtrain's last head). The published configs share one class head and one box head
+  across the decoder layers (`dec_pred_class_embed_share`, `dec_pred_bbox_embed_share`), which the file stores
+  under every layer's name: equal in every layer (or the file's `args` say so) is a shared head, read once as head
+  0 and recorded as `shared_class_head` / `shared_box_head`, so a fine-tuning run trains IDEA's parameterisation.
 - classes: 91 rows indexed by COCO category id (`num_classes=91`), `label_enc` 92 rows (dn_labelbook_size + 1):
   the rows of the dataset's category ids are taken, in label order.
 """
@@ -69,6 +72,23 @@ def name(key: str, lay: Layout) -> str | None:
     return None
 
 
+def shared_heads(sd: dict[str, torch.Tensor], lay: Layout, args: Any = None) -> dict[str, bool]:
+    """Whether the file's class and box heads are one module shared by the decoder layers: its `args` when they
+    say (IDEA's `dec_pred_class_embed_share` / `dec_pred_bbox_embed_share`), else every layer's copy equal to layer
+    0's (a shared head is saved under every layer's name)."""
+    out = {}
+    for head, flag in (("class_embed", "dec_pred_class_embed_share"), ("bbox_embed", "dec_pred_bbox_embed_share")):
+        said = getattr(args, flag, None)
+        if isinstance(said, bool):
+            out[head] = said
+            continue
+        first = {k: t for k, t in sd.items() if k.startswith(f"{head}.0.")}
+        out[head] = lay.dec_layers > 1 and bool(first) and all(
+            (other := sd.get(f"{head}.{i}." + k[len(f"{head}.0."):])) is not None and other.shape == t.shape
+            and torch.equal(other, t) for i in range(1, lay.dec_layers) for k, t in first.items())
+    return out
+
+
 def from_idea(sd: dict[str, torch.Tensor], whole: Any = None,
               categories: str | list[dict[str, Any]] | None = None) -> Converted:
     """vtrain's DINO tensors from an IDEA DINO state dict. `categories`: None (the 80 COCO categories, class rows
@@ -77,6 +97,8 @@ def from_idea(sd: dict[str, torch.Tensor], whole: Any = None,
     lay = layout(sd)
     head = need(sd, "class_embed.0.weight", 2, "the class head of decoder layer 0")
     cats = categories_for(categories, head.shape[0])
+    args = whole.get("args") if isinstance(whole, dict) else None
+    shared = shared_heads(sd, lay, args)
     ids = [c["id"] for c in cats]
     out: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
@@ -91,9 +113,19 @@ def from_idea(sd: dict[str, torch.Tensor], whole: Any = None,
             untie(sd, key, f"{m.group(1)}.{m.group(2)}.{m.group(3)}")
             unused[key] = "a tied copy of " + f"{m.group(1)}.{m.group(2)}.{m.group(3)}"
             continue
+        m = re.fullmatch(r"(class_embed|bbox_embed)\.(\d+)\.(.+)", key)
+        if m and shared[m.group(1)] and m.group(2) != "0":  # one head for every layer: read once, as head 0
+            untie(sd, key, f"{m.group(1)}.0.{m.group(3)}")
+            unused[key] = f"a copy of the shared head {m.group(1)}.0.{m.group(3)}"
+            continue
+        if key.startswith("transformer.enc_out_bbox_embed.") and shared["bbox_embed"]:
+            new = "reg_heads.1." + key[len("transformer.enc_out_bbox_embed."):]
+            out[new], origin[new] = t, key  # a view: convert.fill copies it once its shape is checked
+            read.add(key)
+            continue
         m = re.fullmatch(r"(class_embed\.(\d+)|transformer\.enc_out_class_embed)\.(weight|bias)", key)
         if m:
-            layer = m.group(2) if m.group(2) is not None else lay.dec_layers
+            layer = m.group(2) if m.group(2) is not None else (1 if shared["class_embed"] else lay.dec_layers)
             new, value = f"cls_heads.{layer}.{m.group(3)}", class_rows(t, ids, key)
         elif key == "label_enc.weight":
             new, value = "label_embed.weight", class_rows(t, ids, key, extra_rows=1)
@@ -103,8 +135,8 @@ def from_idea(sd: dict[str, torch.Tensor], whole: Any = None,
                 continue  # convert refuses the file, naming it
         out[new], origin[new] = value, key
         read.add(key)
-    args = whole.get("args") if isinstance(whole, dict) else None
-    model = {**OPTIONS, "num_queries": queries(sd, "transformer.tgt_embed.weight")}
+    model = {**OPTIONS, "num_queries": queries(sd, "transformer.tgt_embed.weight"),
+             "shared_class_head": shared["class_embed"], "shared_box_head": shared["bbox_embed"]}
     dn = arg_int(args, "dn_number", 0, MAX_DN_QUERIES, "IDEA's denoising queries")
     if dn is not None:
         model["dn_queries"] = dn
@@ -115,4 +147,5 @@ def from_idea(sd: dict[str, torch.Tensor], whole: Any = None,
     which = "given" if isinstance(categories, list) else categories or "coco"
     return Converted(out, read, unused, model, len(cats), cats,
                      [f"IDEA DINO: {len(read)} tensors read, {len(unused)} left out (tied head copies, index "
-                      f"buffers); classes: {len(cats)} ({which}); model options {OPTIONS}"], origin)
+                      f"buffers); classes: {len(cats)} ({which}); heads shared by the decoder layers: "
+                      f"class {shared['class_embed']}, box {shared['bbox_embed']}; model options {OPTIONS}"], origin)
