@@ -60,13 +60,24 @@ def untie(sd: dict[str, torch.Tensor], copy: str, original: str) -> None:
     """A tensor stored twice (a shared head saved under both of its names) must be the same tensor twice."""
     if original not in sd:
         raise AdapterError(f"{copy} is stored as a copy of {original}, which the file lacks")
-    a, b = sd[copy], sd[original]
-    if a is b or (a.device.type != "meta" and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-                  and (a.storage_offset(), a.stride(), a.shape, a.dtype) == (b.storage_offset(), b.stride(), b.shape,
-                                                                           b.dtype)):
-        return  # one tensor saved under both names, as torch.save writes a tied module
-    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+    if not same(sd[copy], sd[original]):
         raise AdapterError(f"{copy} differs from {original}: the file's shared heads are not tied as expected")
+
+
+def tied(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One tensor saved under two names, as torch.save writes a tied module (same storage, offset, strides)."""
+    return a is b or (a.device.type != "meta" and b.device.type != "meta"
+                      and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                      and (a.storage_offset(), a.stride(), a.shape, a.dtype) == (b.storage_offset(), b.stride(),
+                                                                               b.shape, b.dtype))
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Tied, or equal in shape, dtype and every value (a tensor on the meta device has no values: only tied)."""
+    if tied(a, b):
+        return True
+    return (a.shape == b.shape and a.dtype == b.dtype and "meta" not in (a.device.type, b.device.type)
+            and torch.equal(a, b))
 
 
 def arg_int(args: Any, name: str, low: int, high: int, what: str) -> int | None:

@@ -27,7 +27,7 @@ import torch
 
 from vtrain.config.model import MAX_DN_QUERIES
 from vtrain.models.dino.adapters import (Layout, arg_int, categories_for, class_rows, dino_preset, layer_name,
-                                         queries, swin_name, top_name, untie)
+                                         queries, swin_name, same, top_name, untie)
 from vtrain.models.formats import Converted, need
 
 OPTIONS: dict[str, Any] = {"neck_bias": True, "pos_temperature": 20.0, "pos_offset": 0.0, "pos_normalize": True,
@@ -84,8 +84,8 @@ def shared_heads(sd: dict[str, torch.Tensor], lay: Layout, args: Any = None) -> 
             continue
         first = {k: t for k, t in sd.items() if k.startswith(f"{head}.0.")}
         out[head] = lay.dec_layers > 1 and bool(first) and all(
-            (other := sd.get(f"{head}.{i}." + k[len(f"{head}.0."):])) is not None and other.shape == t.shape
-            and torch.equal(other, t) for i in range(1, lay.dec_layers) for k, t in first.items())
+            (other := sd.get(f"{head}.{i}." + k[len(f"{head}.0."):])) is not None and same(other, t)
+            for i in range(1, lay.dec_layers) for k, t in first.items())
     return out
 
 
