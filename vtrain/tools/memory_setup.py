@@ -7,7 +7,7 @@ from typing import Any
 
 from vtrain import recompute
 from vtrain.config import NECK_NORMS, ModelConfig, build_config, check_neck_batch, read_yaml
-from vtrain.ds_json import bucket_sizes, explicit_16bit, read_json, zero_settings
+from vtrain.ds_json import bucket_sizes, explicit_16bit, read_json, stage3_sizes, zero_settings
 from vtrain.engine.plan import resolve_precision
 from vtrain.errors import VtrainError
 from vtrain.memory.setup import Setup, run_setup
@@ -20,8 +20,9 @@ def _ds_fields(path: str) -> dict[str, Any]:
     raw = read_json(path, "--ds-config: cannot read {path} ({error})")
     zero = zero_settings(raw)
     offload = "all" if zero.offload_params else ("optimizer" if zero.offload_optimizer else "none")
+    prefetch, persistence = stage3_sizes(raw)
     return {"zero": zero.stage, "offload": offload, "ds_buckets": bucket_sizes(raw), "overlap_comm": zero.overlap_comm,
-            "ds_16bit": bool(explicit_16bit(raw))}
+            "ds_16bit": bool(explicit_16bit(raw)), "ds_prefetch": prefetch, "ds_persistence": persistence}
 
 
 def parse_image_size(text: str, task: str) -> tuple[int, int]:
