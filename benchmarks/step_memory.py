@@ -1,15 +1,17 @@
 """Real training steps on CPU with every tensor storage counted by the CPU allocator itself: the reference
 `benchmarks/estimate_memory_cpu.py` holds `vtrain estimate-memory`'s totals against.
 
-How the bytes are counted (docs/memory_estimate.md, "Validation"): torch's CPU allocator reports every
-allocation and free to the profiler when it runs with `profile_memory=True` (c10's ProfiledCPUMemoryReporter:
-the requested size of each tensor storage, at the moment it is allocated or freed, with its address). The
-profiler runs from before the model is built, so everything a run allocates is seen: parameters, buffers,
-optimizer states, the engine's own buffers (DDP's buckets, DeepSpeed's flat partitions), inputs, activations,
-gradients and temporaries. Live bytes at any moment = the sum of the sizes allocated minus those freed since the
-start: exact, with no allocator cache (the CPU allocator returns freed memory at once) and no Python heap,
-library or interpreter memory mixed in (RSS would include them). Blocks freed that were allocated before the
-profiler started are not reported (the reporter does not know their size), so nothing goes negative.
+How the bytes are counted (docs/memory_estimate.md, "Validation on CPU"): torch's CPU allocator passes every
+tensor storage it allocates or frees through c10's ProfiledCPUMemoryReporter. With c10's flag
+`caffe2_report_cpu_memory_usage` on (set through ctypes as the process starts, before any tensor exists) the
+reporter keeps the running total of live bytes over every thread; with the profiler on (`profile_memory=True`,
+from before the model is built) each allocation and free of the main thread is reported with its size, address
+and that running total. So the live bytes at every allocation event are exact: every storage of the run counts
+(parameters, buffers, optimizer states, the engine's own buffers such as DDP's buckets and DeepSpeed's flat
+partitions, the batch, activations, gradients, temporaries), at its requested size, with no allocator cache
+(the CPU allocator frees at once) and no Python heap, library or interpreter memory (RSS would include them).
+Frees on other threads (gloo's workers release collective buffers) reach the total too, which summing the
+reported events alone would miss.
 
 Gradients are identified by address: every parameter gets a post-accumulate-grad hook that notes its gradient's
 address inside a `record_function` marker; the gradient is the last allocation at that address before the
@@ -108,10 +110,11 @@ def child(row: dict) -> dict:
         model = engine.shard(build_model(setup))
         head = (ShardedHead(cfg, row["num_classes"], rank, world, accelerator.device)
                 if setup.sharded_head else None)
+        # before the engine's own hooks (DeepSpeed moves a gradient into its bucket in a hook of the same kind)
+        marks = Marks([p for p in model.parameters() if p.requires_grad] +
+                      ([head.fc.weight] if head is not None else []))
         model, _ = engine.prepare(model, build_optimizer(model, cfg.optim, plan), head)
         model.train()
-    marks = Marks([p for p in engine.module.parameters() if p.requires_grad] +
-                  ([head.fc.weight] if head is not None else []))
     torch.manual_seed(1 + rank)
     inputs = {k: v.to(accelerator.device) for k, v in step_inputs(setup, torch.device("cpu")).items()}
     inputs["images"] = inputs["images"].to(engine.input_dtype)
@@ -136,6 +139,7 @@ def child(row: dict) -> dict:
         h.remove()
     prof.stop()
     active = _active(engine)
+    accelerator.free_memory()
     del model, head, inputs, engine, marks  # the run's memory is free before the events are read
     gc.collect()
     result = analyse(prof)
@@ -177,12 +181,12 @@ def analyse(prof) -> dict:
         if n.typed[0] == _EventType.Allocation:
             a = n.typed[1]
             if a.device.type == "cpu":
-                allocs.append((n.start_time_ns, a.ptr, a.alloc_size))
+                allocs.append((n.start_time_ns, a.ptr, a.alloc_size, a.total_allocated))
         elif n.name.startswith("vt_"):
             marks.append((n.start_time_ns, n.end_time_ns, n.name))
     allocs.sort(key=lambda x: x[0])
     marks.sort()
-    times = [t for t, _, _ in allocs]
+    times = [t for t, _, _, _ in allocs]
     import bisect
 
     # gradients: the last allocation at the marked address before the marker
@@ -190,7 +194,7 @@ def analyse(prof) -> dict:
     last_at: dict[int, int] = {}
     grad_marks = sorted((t, int(name.split(":")[1])) for t, _, name in marks if name.startswith("vt_grad:"))
     gi = 0
-    for i, (t, ptr, n) in enumerate(allocs):
+    for i, (t, ptr, n, _) in enumerate(allocs):
         while gi < len(grad_marks) and grad_marks[gi][0] < t:
             at = last_at.get(grad_marks[gi][1])
             if at is not None:
@@ -204,18 +208,14 @@ def analyse(prof) -> dict:
     # each gradient allocation's matching free (the next free at its address) leaves the activation curve too
     open_grad: dict[int, int] = {}
     is_grad = [False] * len(allocs)
-    for i, (t, ptr, n) in enumerate(allocs):
+    for i, (t, ptr, n, _) in enumerate(allocs):
         if n > 0 and i in grad_alloc:
             open_grad[ptr] = i
             is_grad[i] = True
         elif n < 0 and ptr in open_grad:
             is_grad[i] = True
             del open_grad[ptr]
-    live = []
-    total = 0
-    for _, _, n in allocs:
-        total += n
-        live.append(total)
+    live = [total for _, _, _, total in allocs]  # the reporter's running total over every thread
     steps = []
     for t0, t1, name in marks:
         if not name.startswith("vt_step:"):
@@ -248,7 +248,16 @@ def analyse(prof) -> dict:
     return {"steps": steps, "grad_allocations": len(grad_alloc), "events": len(allocs)}
 
 
+def count_every_thread() -> None:
+    """c10's flag: the CPU allocator's reporter keeps the live total over every thread (module docstring)."""
+    import ctypes
+
+    lib = Path(torch.__file__).parent / "lib" / "libc10.so"
+    ctypes.c_bool.in_dll(ctypes.CDLL(str(lib)), "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
 def main() -> None:
+    count_every_thread()
     row = json.loads(sys.argv[1])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

@@ -14,15 +14,15 @@ import torch
 from torch import nn
 
 from vtrain import recompute
-from vtrain.config import OptimConfig, RunConfig
+from vtrain.config import RunConfig
 from vtrain.dist import broadcast_from_main
-from vtrain.engine.optim import param_groups
 from vtrain.engine.parallel import engine_class
 from vtrain.engine.plan import Plan as LaunchPlan
+from vtrain.engine.step_costs import run_facts
 from vtrain.errors import VtrainError
 from vtrain.memory.planner import Plan, plan as make_plan
 from vtrain.memory.setup import Setup, run_setup
-from vtrain.memory.sizing import GiB, Grouping, model_facts
+from vtrain.memory.sizing import GiB
 from vtrain.models.checkpointing import active_hidden_recompute, apply_recompute, set_hidden_recompute
 
 # What the default budget leaves free on a GPU: the caching allocator reserves more than the tensors it holds
@@ -47,12 +47,6 @@ def run_setup_for(cfg: RunConfig, launch: LaunchPlan, num_classes: int, device: 
     return run_setup(cfg, launch.precision, **engine)
 
 
-def optimizer_grouping(optim: OptimConfig) -> Grouping:
-    """The optimizer's parameter groups of a run (engine/optim.py), for the estimator: torch's foreach AdamW
-    updates one group at a time, so its temporary is the largest group's."""
-    return lambda model: [g["params"] for g in param_groups(model, optim)]
-
-
 def choose(cfg: RunConfig, launch: LaunchPlan, num_classes: int, device: torch.device) -> Plan | None:
     """The plan of a `--grad-ckpt auto` run (None otherwise), made on rank 0 and broadcast (a user error, e.g.
     nothing fits, reaches every rank and is printed once). Collective when the run is `auto`."""
@@ -66,7 +60,7 @@ def choose(cfg: RunConfig, launch: LaunchPlan, num_classes: int, device: torch.d
                               "read; the budget is per process, in estimate-memory's terms)")
         setup = run_setup_for(cfg, launch, num_classes, device)
         p = make_plan(setup, int(budget * GiB) if budget is not None else default_budget(device),
-                      facts=model_facts(setup, optimizer_grouping(cfg.optim)))
+                      facts=run_facts(setup, cfg.optim))
         p.trace = p.least_trace = None  # the recordings stay here: only the decision travels
         return p
 

@@ -65,8 +65,10 @@ class EngineModel:
     # BLOCK: reduce-scattered when their block's backward ends (FSDP2)
     bucket: int = 0  # BUCKET: the reduction buffers, from the first gradient to the end of backward
     partition: int = 0  # BUCKET / BLOCK: the reduced gradient partition, from the first reduction to the step
+    bucket_elems: int = 0  # BUCKET: the reduction bucket's elements (the first reduction when they are filled)
     gather: int = 0  # parameters gathered at once during forward and backward (ZeRO-3): a transient
     resident_grads: int = 0  # gradient buffers that exist for the whole run (ZeRO-3's flat partition)
+    gather_spike: tuple[int, int] = (0, 0)  # ZeRO-3: the all-gather buffers in flight as forward / backward begin
     blocks: list[Block] = field(default_factory=list)  # BLOCK: the FSDP2 units, the root first
     notes: list[str] = field(default_factory=list)
 
@@ -101,7 +103,7 @@ def engine_model(setup: Setup, facts) -> EngineModel:
         local = sum(rounded(4 * _numel(_local_rows(s, n)), g) for s in facts.shapes.values())
         grads = sum(rounded(4 * _numel(_local_rows(s, n)), g) for s in trainable)
         return EngineModel("FSDP2", local + facts.buffer_bytes + head["parameters"], step.states + head["optimizer"],
-                           0, 0, step, 0, grads + head["gradients"], BLOCK, partition=grads,
+                           0, 0, step, facts.head_step, grads + head["gradients"], BLOCK, partition=grads,
                            blocks=_fsdp_blocks(setup, facts))
     if setup.zero:
         return _deepspeed(setup, facts, whole_groups, t_numel, all_params, head)
@@ -110,8 +112,8 @@ def engine_model(setup: Setup, facts) -> EngineModel:
     bucket = 4 * t_numel if n > 1 else 0
     notes = [f"DDP buckets: {bucket / 2**30:.2f} GiB (one fp32 copy of the gradients for the all-reduce)"] if bucket else []
     return EngineModel("DDP" if n > 1 else "one process", all_params + facts.buffer_bytes + head["parameters"],
-                       step.states + head["optimizer"], bucket, 0, step, 0, grads + head["gradients"], KEEP,
-                       notes=notes)
+                       step.states + head["optimizer"], bucket, 0, step, facts.head_step, grads + head["gradients"],
+                       KEEP, notes=notes)
 
 
 def _fsdp_blocks(setup: Setup, facts) -> list[Block]:
@@ -147,7 +149,14 @@ def _zero3(setup: Setup, facts, whole_groups, head: dict) -> EngineModel:
     master, grad_flat = rounded(4 * flat, g), rounded(4 * flat, g)
     bucket = rounded(int(setup.ds_buckets[0]) * 4, g)
     gathered = sum(_numel(s) for name, s in facts.shapes.items() if name not in persistent)
-    gather = pbytes * min(gathered, int(setup.ds_prefetch) + facts.largest_layer)
+    # When forward begins, DeepSpeed gathers the first module and prefetches ahead: two flat all-gather outputs of
+    # up to `stage3_prefetch_bucket_size` elements in flight (one when backward begins), each staged once more by
+    # gloo on a CPU (measured: `gloo:all_gather` allocates its own output), before their parameters are copied
+    # out; while modules run, the one running is gathered.
+    staged = 1 if setup.on_gpu else 2
+    spike = (pbytes * min(gathered, 2 * int(setup.ds_prefetch)) * staged,
+             pbytes * min(gathered, int(setup.ds_prefetch)) * staged)
+    gather = pbytes * facts.largest_layer
     cpu, optimizer = 0, step.states
     if setup.offload in ("optimizer", "all"):
         cpu += optimizer + master + grad_flat
@@ -158,8 +167,9 @@ def _zero3(setup: Setup, facts, whole_groups, head: dict) -> EngineModel:
     notes = [f"ZeRO-3: reduce bucket {setup.ds_buckets[0]:.0e}, prefetch {setup.ds_prefetch:.0e} elements, "
              f"{len(persistent)} parameters below {setup.ds_persistence:.0e} elements stay gathered"]
     return EngineModel("ZeRO-3", params + facts.buffer_bytes + head["parameters"], optimizer + head["optimizer"],
-                       master + bucket, cpu, step, 4 * max((grp[0][0] for grp in groups), default=0),
-                       grad_flat + head["gradients"], BUCKET, gather=gather, resident_grads=grad_flat, notes=notes)
+                       master + bucket, cpu, step, 4 * max((grp[0][0] for grp in groups), default=0) + facts.head_step,
+                       grad_flat + head["gradients"], BUCKET, gather=gather, gather_spike=spike,
+                       resident_grads=grad_flat, notes=notes)
 
 
 def _deepspeed(setup: Setup, facts, whole_groups, t_numel: int, all_params: int, head: dict) -> EngineModel:
@@ -181,7 +191,7 @@ def _deepspeed(setup: Setup, facts, whole_groups, t_numel: int, all_params: int,
     largest_group = max((p[0][0] for p in part_groups), default=0)
     # the step flattens each group's gradient partition once more while it updates it (measured: the all-gather
     # of the updated partitions comes after that copy is freed, and needs less)
-    step_extra = 4 * largest_group
+    step_extra = 4 * largest_group + facts.head_step
     cpu = 0
     optimizer = step.states
     if setup.offload in ("optimizer", "all"):
@@ -196,4 +206,5 @@ def _deepspeed(setup: Setup, facts, whole_groups, t_numel: int, all_params: int,
              f"overlap_comm {setup.overlap_comm}"]
     return EngineModel(f"ZeRO-{stage}", params + facts.buffer_bytes + head["parameters"], optimizer + head["optimizer"],
                        master, cpu, step, step_extra, grads_at_step + head["gradients"], BUCKET, bucket=bucket,
+                       bucket_elems=int(reduce_bucket),
                        partition=partition if setup.offload == "none" else 0, gather=gather, notes=notes)

@@ -125,6 +125,7 @@ class ModelFacts:
     block_of: dict[str, int] = field(default_factory=dict)  # FSDP2 unit of each parameter (-1: the root's)
     blocks: list[tuple[str, bool]] = field(default_factory=list)  # FSDP2 units: qualified name, holds BatchNorm
     buffer_bytes: int = 0  # every buffer of the model, as the target's allocator holds it
+    head_step: int = 0  # the sharded head's own update: the most bytes it allocates at once (engine/step_costs.py)
 
 
 Grouping = Callable[[nn.Module], list[list[nn.Parameter]]]

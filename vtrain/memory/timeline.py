@@ -26,7 +26,9 @@ from vtrain.memory.trace import StepTrace
 GiB = 2**30
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces + NCCL: an allowance, not traced
 PARTS = ("parameters", "gradients", "optimizer", "activations", "temporary", "overhead")
-ENGINE = -2  # the key of the engine's own storages in the device events (reduction buffers, partitions)
+# keys of the engine's own storages in the device events (all negative: never a traced storage's)
+ENGINE, GATHER, REDUCE = -2, -3, -4  # reduction buckets and partitions; gathered parameters; a reduce-scatter
+_ENGINE_WHAT = {ENGINE: "gradient buckets", GATHER: "parameters being all-gathered", REDUCE: "a reduce-scatter"}
 
 
 @dataclass
@@ -67,21 +69,30 @@ def device_events(t: StepTrace, em: EngineModel, later: bool = False) -> list[tu
     if em.grad_rule == BLOCK:
         return _fsdp_events(t, em, later)
     out: list[tuple[int, int, int, str]] = []
-    first_grad = True
+    first_grad, reduced, filled = True, False, 0
     last = len(t.recording.events) - 1
-    if em.gather:  # ZeRO-3: the parameters gathered while modules run (with the prefetched ones)
-        out.append((0, ENGINE, em.gather, "temporary"))
+    last_grad = max((i for i, (k, d) in enumerate(t.recording.events) if k in t.grad_of and d > 0), default=-1)
+    if em.gather:  # ZeRO-3: the parameters gathered while modules run, and the buffers of the first gathers
+        out.append((0, GATHER, em.gather, "temporary"))
+    backward_at = next((i for i, direction, _ in t.recording.marks if direction == 1), last)
+    spikes = {0: em.gather_spike[0], backward_at: em.gather_spike[1]} if any(em.gather_spike) else {}
     for i, (key, d) in enumerate(t.recording.events):
         if key < 0:
             continue
+        if i in spikes:
+            spike = spikes.pop(i)
+            out += [(i, GATHER, spike, "temporary"), (i, GATHER, -spike, "temporary")]
         if key not in t.grad_of:
             out.append((i, key, d, "activations"))
             continue
-        if d > 0 and em.grad_rule == BUCKET and first_grad:
-            first_grad = False
-            out.append((i, ENGINE, em.bucket, "temporary"))  # the reduction buffers, at the first gradient
-            if not later:
-                out.append((i, ENGINE, em.partition, "gradients"))  # this rank's reduced part
+        if d > 0 and em.grad_rule == BUCKET:
+            if first_grad:
+                first_grad = False
+                out.append((i, ENGINE, em.bucket, "temporary"))  # the reduction buffers, at the first gradient
+            filled += d // 4  # traced gradients are fp32
+            if not reduced and not later and em.partition and (filled > em.bucket_elems or i == last_grad):
+                reduced = True  # the first reduction: this rank's part from then on
+                out.append((i, ENGINE, em.partition, "gradients"))
         if em.grad_rule == KEEP and not later:
             out.append((i, key, d, "gradients"))
         elif d > 0:  # made, then added into a bucket, a partition or the window's gradients, and dropped
@@ -89,7 +100,7 @@ def device_events(t: StepTrace, em: EngineModel, later: bool = False) -> list[tu
     if em.grad_rule == BUCKET and not first_grad:
         out.append((last, ENGINE, -em.bucket, "temporary"))
     if em.gather:
-        out.append((last, ENGINE, -em.gather, "temporary"))
+        out.append((last, GATHER, -em.gather, "temporary"))
     return out
 
 
@@ -137,20 +148,20 @@ def _fsdp_events(t: StepTrace, em: EngineModel, later: bool) -> list[tuple[int, 
     for j, at in first_b.items():
         if j:
             begins.setdefault(at, []).append(j)
-    out.append((0, ENGINE, root.gathered, "temporary"))
+    out.append((0, GATHER, root.gathered, "temporary"))
     for i, (key, d) in enumerate(rec.events):
         if key < 0:
             continue
         if i < backward_at:
             j = label_block[rec.label_of[key]] if key not in grad_block else grad_block[key]
             if j and first_f.get(j) == i:
-                out.append((i, ENGINE, em.blocks[j].gathered, "temporary"))
+                out.append((i, GATHER, em.blocks[j].gathered, "temporary"))
         else:
             for j in begins.get(i, ()):
                 for unit in (j, before.get(j)):  # its own gather, and the next unit's in backward (prefetch)
                     if unit is not None and unit not in gathered:
                         gathered.add(unit)
-                        out.append((i, ENGINE, em.blocks[unit].gathered, "temporary"))
+                        out.append((i, GATHER, em.blocks[unit].gathered, "temporary"))
         if key in grad_block:
             j = grad_block[key]
             size = round(d * em.blocks[j].grad_scale)
@@ -162,9 +173,9 @@ def _fsdp_events(t: StepTrace, em: EngineModel, later: bool) -> list[tuple[int, 
         else:
             out.append((i, key, d, "activations"))
         for j in release.get(i, ()):
-            out.append((i, ENGINE, -em.blocks[j].gathered, "temporary"))
+            out.append((i, GATHER, -em.blocks[j].gathered, "temporary"))
     out += _reduce(last, root, made[0], later)
-    out.append((last, ENGINE, -root.gathered, "temporary"))
+    out.append((last, GATHER, -root.gathered, "temporary"))
     return out
 
 
@@ -172,14 +183,14 @@ def _reduce(i: int, b, made: int, later: bool) -> list[tuple[int, int, int, str]
     """A unit's post-backward: its gradients copied into the fp32 reduce-scatter input, this rank's shard out of
     it, the unsharded gradients and the unit's gathered parameters freed."""
     shard = 0 if later else b.shard  # a later micro-batch adds into the window's shard
-    return [(i, ENGINE, b.reduce, "temporary"), (i, ENGINE, -b.reduce, "temporary"), (i, ENGINE, -made, "gradients"),
-            (i, ENGINE, shard, "gradients"), (i, ENGINE, -b.gathered if b.prefix else 0, "temporary")]
+    return [(i, REDUCE, b.reduce, "temporary"), (i, REDUCE, -b.reduce, "temporary"), (i, ENGINE, -made, "gradients"),
+            (i, ENGINE, shard, "gradients"), (i, GATHER, -b.gathered if b.prefix else 0, "temporary")]
 
 
 def _where(t: StepTrace, key: int, phase: str) -> str:
     rec = t.recording
     if key < 0 or key >= len(rec.label_of):
-        return f"{phase} (engine buffers)"
+        return f"{phase}: {_ENGINE_WHAT.get(key, 'engine buffers')}"
     module, made = rec.labels[rec.label_of[key]]
     return f"{phase} at {rec.modules[module] or '(the model itself)'}" + (" (recomputing)" if made == "recompute" else "")
 

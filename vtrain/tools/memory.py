@@ -8,11 +8,10 @@ import dataclasses
 import time
 from typing import Any
 
-from vtrain.config import OptimConfig
-from vtrain.engine.autoplan import optimizer_grouping
+from vtrain.engine.step_costs import run_facts
 from vtrain.memory.planner import Plan, plan as make_plan
 from vtrain.memory.setup import Setup
-from vtrain.memory.sizing import GiB, Estimate, estimate, max_batch_that_fits, model_facts
+from vtrain.memory.sizing import GiB, Estimate, estimate, max_batch_that_fits
 from vtrain.memory.trace import StepTrace, trace
 
 ENGINES = [dict(zero=0, fsdp=False, offload="none"), dict(zero=1, fsdp=False, offload="none"),
@@ -58,7 +57,7 @@ def estimate_report(setup: Setup, gpu_memory_gib: float = 24.0, compare_gc: bool
     `gpu_memory_gib` (or the budget), the step's timeline, and with `breakdown_rows` the activation breakdown at
     the activation peak."""
     t0 = time.perf_counter()
-    facts = model_facts(setup, optimizer_grouping(OptimConfig(layer_decay=setup.layer_decay)))
+    facts = run_facts(setup)
     p = make_plan(setup, facts=facts) if setup.memory_budget is not None else None
     if p is not None:
         setup, main = planned(setup, p), p.trace

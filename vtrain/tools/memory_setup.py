@@ -41,7 +41,7 @@ def parse_image_size(text: str, task: str) -> tuple[int, int]:
 
 def setup_from(*, model=None, task=None, batch_size=None, image_size=None, precision=None, grad_ckpt=None,
                zero=None, fsdp=None, offload=None, gpus=1, num_classes=None, config=None, ds_config=None,
-               head_parallel=None, sample_rate=None, memory_budget=None, neck_norm=None) -> Setup:
+               head_parallel=None, sample_rate=None, memory_budget=None, neck_norm=None, grad_accum=None) -> Setup:
     """A Setup from `vtrain train`'s config file (if any), then explicit flags; validated here (CLI boundary).
     `memory_budget` (GiB; or the config's `model.memory_budget` with `grad_ckpt: [auto]`) asks for a recompute
     plan: the Setup's own checkpointing is then empty and the planner fills it."""
@@ -69,6 +69,10 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         if batch_size < 1:
             raise VtrainError("--batch-size: must be >= 1")
         s.batch_size = batch_size
+    if grad_accum is not None:
+        if grad_accum < 1:
+            raise VtrainError("--grad-accum: must be >= 1")
+        s.grad_accum = grad_accum
     if image_size is not None:
         s.image_size = parse_image_size(image_size, s.task)
     if precision is not None:
