@@ -15,8 +15,12 @@ reported events alone would miss.
 
 Gradients are identified by address: every parameter gets a post-accumulate-grad hook that notes its gradient's
 address inside a `record_function` marker; the gradient is the last allocation at that address before the
-marker. The activation curve is the live curve of what the step allocates (from its first forward op) without
-those gradient storages, the estimator's activation figure.
+marker. Under DeepSpeed ZeRO the engine's own gradient and parameter traffic runs inside its hooks (stage 1/2:
+the gradient's copy into the reduction bucket and its partition; stage 3 also the all-gather of each module's
+parameters and their release): those hooks are wrapped in a `vt_engine` marker, and every storage allocated
+inside one (with its later free) is the engine's, not the model's. The activation curve is the live curve of
+what the step allocates (from its first forward op) without those gradient and engine storages, the
+estimator's activation figure, the same quantity under every engine.
 
 Each row runs in fresh processes (one per rank, gloo between them): an engine owns process-global state.
 
@@ -30,6 +34,7 @@ import json
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -85,6 +90,37 @@ class Marks:
             pass
 
 
+ENGINE_HOOKS = {
+    "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": (
+        "reduce_ready_partitions_and_remove_grads", "independent_gradient_partition_epilogue"),
+    "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3": (
+        "reduce_ready_partitions_and_remove_grads", "independent_gradient_partition_epilogue"),
+    "deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator": (
+        "fetch_sub_module", "release_sub_module"),
+}
+
+
+def mark_engine_hooks() -> None:
+    """Wrap DeepSpeed's gradient and parameter hooks in a `vt_engine` marker (module docstring)."""
+    import functools
+    import importlib
+
+    from torch.profiler import record_function
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def marked(*args, **kwargs):
+            with record_function("vt_engine"):
+                return fn(*args, **kwargs)
+        return marked
+
+    for path, names in ENGINE_HOOKS.items():
+        mod, cls = path.rsplit(".", 1)
+        klass = getattr(importlib.import_module(mod), cls)
+        for name in names:
+            setattr(klass, name, wrap(getattr(klass, name)))
+
+
 def child(row: dict) -> dict:
     """One rank of one row: build through vtrain's engine, run `row['steps']` steps under the profiler, analyse."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -101,6 +137,8 @@ def child(row: dict) -> dict:
 
     setup = row_setup(row)
     cfg = _run_config(row)
+    if row["engine"].startswith("zero"):
+        mark_engine_hooks()
     plan = resolve_plan(cfg)
     accelerator = build_accelerator(plan, cfg.train.grad_accum)
     engine = build_engine(plan, accelerator)
@@ -114,6 +152,8 @@ def child(row: dict) -> dict:
         marks = Marks([p for p in model.parameters() if p.requires_grad] +
                       ([head.fc.weight] if head is not None else []))
         model, _ = engine.prepare(model, build_optimizer(model, cfg.optim, plan), head)
+        # a constant schedule: the sharded head's update takes the schedule's multiplier (engine/head_shard.py)
+        engine.follow(types.SimpleNamespace(lr_lambdas=[lambda step: 1.0], last_epoch=0))
         model.train()
     torch.manual_seed(1 + rank)
     inputs = {k: v.to(accelerator.device) for k, v in step_inputs(setup, torch.device("cpu")).items()}
@@ -186,8 +226,9 @@ def analyse(prof) -> dict:
             marks.append((n.start_time_ns, n.end_time_ns, n.name))
     allocs.sort(key=lambda x: x[0])
     marks.sort()
-    times = [t for t, _, _, _ in allocs]
     import bisect
+
+    times = [t for t, _, _, _ in allocs]
 
     # gradients: the last allocation at the marked address before the marker
     grad_alloc: set[int] = set()
@@ -205,16 +246,39 @@ def analyse(prof) -> dict:
     for _, ptr in grad_marks[gi:]:
         if ptr in last_at:
             grad_alloc.add(last_at[ptr])
-    # each gradient allocation's matching free (the next free at its address) leaves the activation curve too
+    # the engine's storages: allocated inside a `vt_engine` marker
+    spans: list[tuple[int, int]] = []
+    for s, e, name in marks:  # sorted by start; nested markers merged into the outer one
+        if name == "vt_engine":
+            if spans and s <= spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(e, spans[-1][1]))
+            else:
+                spans.append((s, e))
+    starts = [s for s, _ in spans]
+    engine_alloc = set()
+    for i, (t, _, n, _) in enumerate(allocs):
+        k = bisect.bisect_right(starts, t) - 1
+        if n > 0 and k >= 0 and t <= spans[k][1]:
+            engine_alloc.add(i)
+    # each gradient or engine allocation's matching free (the next free at its address) leaves the activation
+    # curve too
     open_grad: dict[int, int] = {}
+    open_engine: dict[int, int] = {}
     is_grad = [False] * len(allocs)
+    is_engine = [False] * len(allocs)
     for i, (t, ptr, n, _) in enumerate(allocs):
         if n > 0 and i in grad_alloc:
             open_grad[ptr] = i
             is_grad[i] = True
+        elif n > 0 and i in engine_alloc:
+            open_engine[ptr] = i
+            is_engine[i] = True
         elif n < 0 and ptr in open_grad:
             is_grad[i] = True
             del open_grad[ptr]
+        elif n < 0 and ptr in open_engine:
+            is_engine[i] = True
+            del open_engine[ptr]
     live = [total for _, _, _, total in allocs]  # the reporter's running total over every thread
     steps = []
     for t0, t1, name in marks:
@@ -238,14 +302,15 @@ def analyse(prof) -> dict:
         if fb:
             i0, i1 = bisect.bisect_left(times, fb[0][0]), bisect.bisect_right(times, fb[-1][1])
             for i in range(i0, i1):
-                if not is_grad[i]:
+                if not is_grad[i] and not is_engine[i]:
                     cur += allocs[i][2]
                     act = max(act, cur)
         grads_live = sum(allocs[i][2] for i in range(b) if is_grad[i] and allocs[i][2] > 0) - \
             sum(-allocs[i][2] for i in range(b) if is_grad[i] and allocs[i][2] < 0)
         steps.append({"peak": peak, "start": start, "phase": where, "phase_peaks": phase_peaks,
                       "activation": act, "grads_at_end": grads_live})
-    return {"steps": steps, "grad_allocations": len(grad_alloc), "events": len(allocs)}
+    return {"steps": steps, "grad_allocations": len(grad_alloc), "engine_allocations": len(engine_alloc),
+            "events": len(allocs)}
 
 
 def count_every_thread() -> None:
