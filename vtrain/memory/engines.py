@@ -71,6 +71,9 @@ class EngineModel:
     gather_spike: tuple[int, int] = (0, 0)  # ZeRO-3: the all-gather buffers in flight as forward / backward begin
     blocks: list[Block] = field(default_factory=list)  # BLOCK: the FSDP2 units, the root first
     notes: list[str] = field(default_factory=list)
+    # a sharded head stepped after the model's update and its zero_grad (engines/base.py): its gradient and its own
+    # temporaries, with the model's gradients already freed
+    head_after: tuple[int, int] = (0, 0)
 
 
 def _local_rows(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
@@ -103,8 +106,8 @@ def engine_model(setup: Setup, facts) -> EngineModel:
         local = sum(rounded(4 * _numel(_local_rows(s, n)), g) for s in facts.shapes.values())
         grads = sum(rounded(4 * _numel(_local_rows(s, n)), g) for s in trainable)
         return EngineModel("FSDP2", local + facts.buffer_bytes + head["parameters"], step.states + head["optimizer"],
-                           0, 0, step, facts.head_step, grads + head["gradients"], BLOCK, partition=grads,
-                           blocks=_fsdp_blocks(setup, facts))
+                           0, 0, step, 0, grads + head["gradients"], BLOCK, partition=grads,
+                           blocks=_fsdp_blocks(setup, facts), head_after=(head["gradients"], facts.head_step))
     if setup.zero:
         return _deepspeed(setup, facts, whole_groups, t_numel, all_params, head)
     step = optimizer_step(whole_groups, foreach=foreach, granularity=g, host_steps=host_steps)
@@ -112,8 +115,8 @@ def engine_model(setup: Setup, facts) -> EngineModel:
     bucket = 4 * t_numel if n > 1 else 0
     notes = [f"DDP buckets: {bucket / 2**30:.2f} GiB (one fp32 copy of the gradients for the all-reduce)"] if bucket else []
     return EngineModel("DDP" if n > 1 else "one process", all_params + facts.buffer_bytes + head["parameters"],
-                       step.states + head["optimizer"], bucket, 0, step, facts.head_step, grads + head["gradients"],
-                       KEEP, notes=notes)
+                       step.states + head["optimizer"], bucket, 0, step, 0, grads + head["gradients"],
+                       KEEP, notes=notes, head_after=(head["gradients"], facts.head_step))
 
 
 def _fsdp_blocks(setup: Setup, facts) -> list[Block]:

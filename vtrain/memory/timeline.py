@@ -212,8 +212,14 @@ def step_point(t: StepTrace, setup: Setup, em: EngineModel) -> Point:
     """The optimizer step: every gradient the engine keeps for it, the clip's and the update's temporaries."""
     parts = dict.fromkeys(PARTS, 0)
     parts.update(resident(t, setup, em))
+    head = dict(parts)
     parts["gradients"] = em.grads_at_step
     parts["temporary"] += em.step.temporary + em.step_extra
+    head_grads, head_step = em.head_after
+    head["gradients"] = head_grads
+    head["temporary"] += head_step
+    if head_step and sum(head.values()) > sum(parts.values()):
+        return Point("optimizer step (the sharded head's update)", "optimizer", head)
     return Point("optimizer step (clip + update)", "optimizer", parts)
 
 
