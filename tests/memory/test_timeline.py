@@ -21,8 +21,9 @@ from vtrain.memory.trace import profiled_peak, trace
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import step_memory  # noqa: E402
 
-DINO = Setup(task="dino", preset="debug", image_size=(128, 160), batch_size=2, precision="no", num_classes=5,
+DINO = Setup(task="dino", preset="debug", image_size=(96, 128), batch_size=2, precision="no", num_classes=5,
              num_targets=3, autocast_policy="cpu")
+MEASURED = dataclasses.replace(DINO, grad_ckpt=("backbone", "encoder"))
 
 
 def _grouped_facts(setup: Setup):
@@ -31,18 +32,42 @@ def _grouped_facts(setup: Setup):
     return run_facts(setup)
 
 
-def test_predicted_total_is_the_allocators_peak_of_a_real_step():
-    """One process, the debug DINO with checkpointed units: three real steps through vtrain's engine, every tensor
-    storage counted by the CPU allocator (benchmarks/step_memory.py). The steady-state step's peak, its phase
-    peaks and its activation peak against the timeline."""
-    setup = dataclasses.replace(DINO, grad_ckpt=("backbone", "encoder"))
-    est = estimate(setup, trace(setup), _grouped_facts(setup))
-    row = dict(task="dino", preset="debug", batch_size=2, image_size=[128, 160], precision="no",
-               grad_ckpt=["backbone", "encoder"], engine="single", world=1, num_classes=5, num_targets=3, steps=3)
-    (real,) = step_memory.run_row(row, timeout=600)
+@pytest.fixture(scope="module")
+def dino_trace():
+    """The debug DINO's trace without checkpointing, shared by the tests that only read it (traces are
+    deterministic)."""
+    return trace(DINO)
+
+
+@pytest.fixture(scope="module")
+def no_recompute_trace():
+    return trace(dataclasses.replace(DINO, ffn_recompute=False))
+
+
+@pytest.fixture(scope="module")
+def real_step():
+    """One process, the debug DINO (96x128, batch 2, fp32) with checkpointed units: two real steps through vtrain's
+    engine in a fresh process, every tensor storage counted by the CPU allocator (benchmarks/step_memory.py), beside
+    the estimate of the same setup. Measured once for the tests below; the larger rows (Swin-L DINO, face ViT-B,
+    every engine) are benchmarks/estimate_memory_cpu.py's."""
+    est = estimate(MEASURED, trace(MEASURED), _grouped_facts(MEASURED))
+    row = dict(task="dino", preset="debug", batch_size=2, image_size=list(MEASURED.image_size), precision="no",
+               grad_ckpt=list(MEASURED.grad_ckpt), engine="single", world=1, num_classes=5, num_targets=3, steps=2)
+    (real,) = step_memory.run_row(row, timeout=900)
+    return est, real
+
+
+def test_predicted_total_is_the_allocators_peak_of_a_real_step(real_step):
+    """The second (steady-state) step's peak, and its activation peak, against the timeline."""
+    est, real = real_step
     step = real["steps"][-1]
     assert abs(est.total - step["peak"]) <= 0.05 * step["peak"], (est.total, step["peak"])
     assert abs(est.activation_peak - step["activation"]) <= 0.01 * step["activation"]
+
+
+def test_each_phase_peak_is_the_timelines(real_step):
+    est, real = real_step
+    step = real["steps"][-1]
     by_phase = {p.phase: p.total for p in est.points}
     for phase in ("forward", "backward", "optimizer"):
         assert abs(by_phase[phase] - step["phase_peaks"][phase]) <= 0.05 * step["phase_peaks"][phase], phase
@@ -72,8 +97,8 @@ def test_the_optimizer_step_traced_is_what_torch_allocates(foreach):
     assert cost.temporary >= (whole_group if foreach else 2 * biggest)
 
 
-def test_each_engine_places_the_gradients_its_own_way():
-    t = trace(DINO)
+def test_each_engine_places_the_gradients_its_own_way(dino_trace):
+    t = dino_trace
     facts = model_facts(DINO)
     grads = sum(d for k, d in t.recording.events if k in t.grad_of and d > 0)
     keep = engine_model(DINO, facts)
@@ -92,8 +117,8 @@ def test_each_engine_places_the_gradients_its_own_way():
     assert z2.bucket == 2 * int(DINO.ds_buckets[0]) * 4  # two fp32 reduction buffers with overlap_comm
 
 
-def test_later_micro_batches_hold_the_windows_gradients():
-    t = trace(DINO)
+def test_later_micro_batches_hold_the_windows_gradients(dino_trace):
+    t = dino_trace
     em = engine_model(DINO, model_facts(DINO))
     one = build(t, DINO, em)
     four = build(t, dataclasses.replace(DINO, grad_accum=4), em)
@@ -105,10 +130,10 @@ def test_later_micro_batches_hold_the_windows_gradients():
 
 
 @pytest.mark.parametrize("gc", [("backbone", "encoder", "decoder"), ("encoder",), ("sac:encoder",)])
-def test_recomputed_flops_are_what_the_plan_executes_beyond_no_recompute(gc):
+def test_recomputed_flops_are_what_the_plan_executes_beyond_no_recompute(gc, no_recompute_trace):
     """Every op a plan runs again is counted once as recomputation: the recomputed FLOPs are exactly the step's
     FLOPs beyond the same step with nothing recomputed (the FFN remade inside a checkpointed unit included)."""
-    base = trace(dataclasses.replace(DINO, ffn_recompute=False))
+    base = no_recompute_trace
     plan = trace(dataclasses.replace(DINO, grad_ckpt=gc))
     total = sum(plan.recording.flops.values()) - sum(base.recording.flops.values())
     assert plan.recompute_flops == total > 0
