@@ -107,16 +107,31 @@ def child(row: dict) -> dict:
     inputs = {k: v.to(device) for k, v in step_inputs(setup, torch.device("cpu")).items()}
     inputs["images"] = inputs["images"].to(engine.input_dtype)
 
+    phase_peaks: dict[str, float] = {}
+
+    def mark(phase: str | None) -> None:
+        """On a GPU: the allocator's peak of the phase that ended (forward, backward, optimizer), then a new one."""
+        if not cuda:
+            return
+        if phase is not None:
+            phase_peaks[phase] = max(phase_peaks.get(phase, 0.0), torch.cuda.max_memory_allocated() / GiB)
+        torch.cuda.reset_peak_memory_stats()
+
     def step() -> None:
+        mark(None)
         with auto_impl(row["msda"]), engine.sync_context(True):
             with engine.forward_context():
                 out = model(**inputs)
+            mark("forward")
             engine.backward(out["loss"], 1)
+            mark("backward")
         engine.step(cfg.optim.clip_grad)
+        mark("optimizer")
 
     for _ in range(row["warmup"]):
         step()
     times, peak, reserved = [], None, None
+    phase_peaks.clear()  # the warm-up steps (the first one makes the optimizer's states) are not measured
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -132,10 +147,14 @@ def child(row: dict) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     if cuda:
-        peak = torch.cuda.max_memory_allocated() / GiB
+        # every phase was measured on its own (the peak statistics are reset between phases): the step's peak is
+        # the largest of them
+        peak = max(phase_peaks.values())
         reserved = torch.cuda.max_memory_reserved() / GiB
     sec = statistics.median(times)
-    return {"peak_gib": peak, "reserved_gib": reserved, "s_per_iter": sec, "images_per_s": row["batch_size"] / sec}
+    at = max(phase_peaks, key=phase_peaks.get) if phase_peaks else None
+    return {"peak_gib": peak, "reserved_gib": reserved, "s_per_iter": sec, "images_per_s": row["batch_size"] / sec,
+            "phase_peaks_gib": phase_peaks or None, "peak_phase": at}
 
 
 def run_row(row: dict) -> dict:
@@ -171,6 +190,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))), flush=True)
         return
+    from vtrain.engine.step_costs import run_facts
     from vtrain.memory.sizing import estimate
 
     cuda = torch.cuda.is_available()
@@ -184,7 +204,7 @@ def main() -> None:
 
     rows = []
     header = ("| precision | GC | engine | deformable attn | peak allocated GiB | reserved GiB | s/iter | images/s | "
-              "estimate GiB | estimate error |")
+              "estimate GiB | estimate error | peak at (estimate / measured) |")
     lines = [header, "|---" * (header.count("|") - 1) + "|"]
     print("\n".join(lines), flush=True)
     for engine, precision, gc_parts in itertools.product(args.engine.split(","), args.precision.split(","),
@@ -192,8 +212,15 @@ def main() -> None:
         row = {"precision": precision, "gc": gc_parts, "engine": engine, "msda": msda, "preset": preset,
                "image_size": [h, w], "batch_size": args.batch_size, "targets": args.targets,
                "warmup": args.warmup, "steps": steps}
-        est = estimate(_setup(row))
+        setup = _setup(row)
+        est = estimate(setup, facts=run_facts(setup))
+        # estimate-memory's total and its timeline, without the fixed CUDA-context allowance (max_memory_allocated
+        # does not see the context either)
         row["estimate_gib"] = (est.total - est.overhead) / GiB
+        row["estimate_peak_at"] = est.peak_at
+        row["estimate_phase"] = next(p.phase for p in est.points if p.where == est.peak_at)
+        row["estimate_phases_gib"] = {p.phase: (p.total - p.parts["overhead"]) / GiB for p in est.points
+                                      if not p.where.startswith("later")}
         m = run_row(row)
         row.update(m, device=name, torch=torch.__version__)
         rows.append(row)
@@ -205,7 +232,7 @@ def main() -> None:
             f"{100 * (row['estimate_gib'] - m['peak_gib']) / m['peak_gib']:+.1f}%"
         lines.append(f"| {precision} | {gc_parts} | {engine} | {msda} | {f(m['peak_gib'], '.3f')} | "
                      f"{f(m['reserved_gib'], '.3f')} | {f(m['s_per_iter'], '.3f')} | {f(m['images_per_s'], '.2f')} | "
-                     f"{row['estimate_gib']:.3f} | {err} |")
+                     f"{row['estimate_gib']:.3f} | {err} | {row['estimate_phase']} / {m.get('peak_phase') or '-'} |")
         print(lines[-1], flush=True)
     title = (f"DINO {preset}, batch {args.batch_size}, {h}x{w}, {args.targets} boxes/image, {name}, torch "
              f"{torch.__version__}; median of {steps} steps after {args.warmup}\n\n"

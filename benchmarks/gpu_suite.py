@@ -23,7 +23,9 @@ unit's timeout). A unit starts only when the budget left covers its expected tim
 | loop | the same with --compile (regional torch.compile, docs/compile.md) | 2 | 300, 400 | 600, 600 |
 
 The msda unit runs first and compiles the Triton kernels (Triton caches them for the DINO rows). Each dino row
-carries estimate-memory's prediction for its configuration (error % beside the measured peak). The --compile rows
+carries estimate-memory's prediction for its configuration beside what was measured: the total (the largest
+point of the step's timeline) against the peak allocated, where each puts the peak, and the forward, backward
+and optimizer-step points against each phase's own peak (docs/memory_estimate.md). The --compile rows
 compile in their warm-up steps; a dry run skips them (compiling takes minutes on a CPU).
 
 Expected in all: about 18 min without the compile rows. The device name, the torch, Triton and CUDA versions, the

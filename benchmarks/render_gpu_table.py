@@ -78,18 +78,27 @@ def _dino(res: dict) -> list[str]:
     first = next((u["result"] for u in units if u["status"] == "ok"), None)
     what = (f"{first['preset']}, batch {first['batch_size']}, {first['image_size'][0]}x{first['image_size'][1]}, "
             f"{first['precision']}, {first['engine']}, deformable attention: {first['msda']}") if first else ""
-    out = [f"**DINO training step** (`dino_memory_matrix.py`; {what}). Peak = `torch.cuda.max_memory_allocated`; "
-           "estimate = `vtrain estimate-memory` without its fixed 0.5 GiB CUDA-context allowance.", "",
-           "| GC | peak allocated GiB | reserved GiB | s/iter | images/s | estimate GiB | estimate error |",
-           "|---|---|---|---|---|---|---|"]
+    out = [f"**DINO training step** (`dino_memory_matrix.py`; {what}). Peak = `torch.cuda.max_memory_allocated` "
+           "of the steps after the warm-up, per phase (forward, backward, optimizer step); estimate = `vtrain "
+           "estimate-memory`'s timeline (the largest point is the total) without its fixed 0.5 GiB CUDA-context "
+           "allowance.", "",
+           "| GC | peak allocated GiB | reserved GiB | s/iter | images/s | estimate GiB | estimate error | peak at "
+           "(estimate / measured) | forward | backward | optimizer step |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for u in units:
         r = u.get("result") or {}
         if u["status"] != "ok":
-            out.append(f"| {u['label']} | {_not_ok(u)} | | | | {_f(r.get('estimate_gib'), '.2f')} | |")
+            out.append(f"| {u['label']} | {_not_ok(u)} | | | | {_f(r.get('estimate_gib'), '.2f')} | | | | | |")
             continue
+        measured, predicted = r.get("phase_peaks_gib") or {}, r.get("estimate_phases_gib") or {}
+        phases = [f"{_f(measured.get(p), '.2f')} ({_err(predicted.get(p), measured.get(p))})"
+                  for p in ("forward", "backward", "optimizer")]
         out.append(f"| {u['label']} | {_f(r['peak_gib'], '.2f')} | {_f(r.get('reserved_gib'), '.2f')} | "
                    f"{_f(r['s_per_iter'], '.3f')} | {_f(r['images_per_s'], '.2f')} | {_f(r['estimate_gib'], '.2f')} "
-                   f"| {_err(r['estimate_gib'], r['peak_gib'])} |")
+                   f"| {_err(r['estimate_gib'], r['peak_gib'])} | {r.get('estimate_phase') or '-'} / "
+                   f"{r.get('peak_phase') or '-'} | {' | '.join(phases)} |")
+    out.append("")
+    out.append("Phase columns: measured peak GiB (the estimate's error for that point of its timeline).")
     return out + [""]
 
 

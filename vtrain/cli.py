@@ -312,6 +312,8 @@ def estimate_memory_cmd(
     model: Annotated[Optional[str], typer.Option("--model", parser=text, help="Preset (see `vtrain presets`)")] = None,
     task: Annotated[Optional[Task], typer.Option(help="dino (default) or metric")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Per-GPU micro-batch")] = None,
+    grad_accum: Annotated[Optional[int], typer.Option(
+        help="Micro-batches per optimizer step (the later ones hold the window's gradients)")] = None,
     image_size: Annotated[Optional[str], typer.Option(
         parser=text, help="HxW or S, e.g. 800x1333 (DINO) or 112 (metric)")] = None,
     mixed_precision: Annotated[Optional[Precision], typer.Option(help="no, bf16 or fp16")] = None,
@@ -368,7 +370,7 @@ def estimate_memory_cmd(
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
                        fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
                        ds_config=ds_config, head_parallel=head_parallel, sample_rate=sample_rate,
-                       memory_budget=memory_budget, neck_norm=neck_norm)
+                       memory_budget=memory_budget, neck_norm=neck_norm, grad_accum=grad_accum)
     rows = (15 if breakdown_rows is None else breakdown_rows) if breakdown else 0
     report = estimate_report(setup, gpu_memory, compare_gc, rows)
     if as_json:

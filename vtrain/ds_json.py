@@ -80,6 +80,19 @@ def bucket_sizes(raw: dict[str, Any]) -> tuple[float, float]:
     return bucket("reduce_bucket_size"), bucket("allgather_bucket_size")
 
 
+def stage3_sizes(raw: dict[str, Any]) -> tuple[float, float]:
+    """ZeRO-3's stage3_prefetch_bucket_size (elements gathered ahead) and stage3_param_persistence_threshold
+    (parameters smaller than this stay gathered), DeepSpeed's defaults when absent or "auto"
+    (deepspeed/runtime/zero/config.py: 5e7 and 1e5); read for `estimate-memory`."""
+    zero = _zero(raw)
+
+    def size(key: str, default: float) -> float:
+        value = zero.get(key, default)
+        return default if value == "auto" else float(value)
+
+    return size("stage3_prefetch_bucket_size", 5e7), size("stage3_param_persistence_threshold", 1e5)
+
+
 def check_structure(raw: Any, source: str) -> None:
     """The checks that need nothing but the JSON (types, stage, offload devices, sections vtrain owns), so that
     config validation can run them before start-up; engine/ds_config.fill_ds_config runs them again."""

@@ -101,7 +101,9 @@ def test_a_unit_starts_only_when_the_budget_covers_its_expected_time():
 def _result() -> dict:
     dino = {"preset": "swin-l", "batch_size": 2, "image_size": [800, 1333], "precision": "bf16", "engine": "single",
             "msda": "triton", "gc": "none", "peak_gib": 40.0, "reserved_gib": 42.0, "s_per_iter": 0.5,
-            "images_per_s": 4.0, "estimate_gib": 41.0}
+            "images_per_s": 4.0, "estimate_gib": 41.0, "estimate_phase": "backward", "peak_phase": "backward",
+            "phase_peaks_gib": {"forward": 36.0, "backward": 40.0, "optimizer": 12.0},
+            "estimate_phases_gib": {"forward": 36.9, "backward": 41.0, "optimizer": 11.4}}
     face = {"preset": "vit-b", "classes": 100_000, "mode": "none", "sample_rate": 1.0, "world": 8, "micro_batch": 256,
             "images_per_s": 6000.0, "peak_mb": 8 * 1024}
     return {"format": render.FORMAT, "dry_run": False,
@@ -122,7 +124,8 @@ def _result() -> dict:
 def test_tables_show_estimate_errors_failures_and_skips():
     text = render.render(_result())
     assert "### NVIDIA H100 80GB HBM3, 79 GiB" in text and "at commit 0123456789" in text
-    assert "| none | 40.00 | 42.00 | 0.500 | 4.00 | 41.00 | +2.5% |" in text
+    assert ("| none | 40.00 | 42.00 | 0.500 | 4.00 | 41.00 | +2.5% | backward / backward | 36.00 (+2.5%) | "
+            "40.00 (+2.5%) | 12.00 (-5.0%) |") in text
     assert "| backbone | failed: OOM |" in text
     assert "| 100,000 | none | 1.0 | 6000.0 | 8.00 | 9.00 | +12.5% |" in text
     assert "| face vit-b --compile | skipped: no --compile option yet |" in text

@@ -14,7 +14,7 @@ from tests.helpers.cli import ok, vtrain
 
 from vtrain.memory.sizing import deepspeed_reference, estimate, max_batch_that_fits, model_facts, model_state_bytes
 from vtrain.memory.setup import Setup
-from vtrain.memory.trace import allocator_peak, profiled_peak, trace_step
+from vtrain.memory.trace import allocator_peak, profiled_peak, trace, trace_step
 from vtrain.memory.tracker import LiveBytes
 
 
@@ -63,9 +63,10 @@ def test_gpu_estimate_traces_the_fused_deformable_attention():
     s = Setup(task="dino", preset="debug", image_size=(128, 160), batch_size=2, precision="bf16", num_classes=5,
               num_targets=3)
     assert s.resolved_msda_impl() == "triton"
-    fused = trace_step(s)["Activation"]
+    t = trace(s)
+    fused = t.activation
     assert trace_step(dataclasses.replace(s, msda_impl="pytorch"))["Activation"] > 1.2 * fused
-    assert "fused Triton op" in estimate(s, trace={"Activation": fused, "Peak": fused}).notes[0]
+    assert "fused Triton op" in estimate(s, t).notes[0]
 
 
 def test_traced_deformable_attention_matches_what_it_allocates(interpret):

@@ -18,6 +18,7 @@ from vtrain.config import RunConfig
 from vtrain.dist import broadcast_from_main
 from vtrain.engine.parallel import engine_class
 from vtrain.engine.plan import Plan as LaunchPlan
+from vtrain.engine.step_costs import run_facts
 from vtrain.errors import VtrainError
 from vtrain.memory.planner import Plan, plan as make_plan
 from vtrain.memory.setup import Setup, run_setup
@@ -58,8 +59,9 @@ def choose(cfg: RunConfig, launch: LaunchPlan, num_classes: int, device: torch.d
             raise VtrainError("--grad-ckpt auto: give --memory-budget GIB on a CPU (there is no device memory to "
                               "read; the budget is per process, in estimate-memory's terms)")
         setup = run_setup_for(cfg, launch, num_classes, device)
-        p = make_plan(setup, int(budget * GiB) if budget is not None else default_budget(device))
-        p.trace = None  # the recording stays here: only the decision travels
+        p = make_plan(setup, int(budget * GiB) if budget is not None else default_budget(device),
+                      facts=run_facts(setup, cfg.optim))
+        p.trace = p.least_trace = None  # the recordings stay here: only the decision travels
         return p
 
     return broadcast_from_main(make)

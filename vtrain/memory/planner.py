@@ -37,9 +37,12 @@ import torch
 from vtrain import recompute
 from vtrain.errors import VtrainError
 from vtrain.memory.setup import Setup
-from vtrain.memory.sizing import GiB, estimate, model_facts
+from vtrain.memory.sizing import GiB, ModelFacts, model_facts
+from vtrain.memory.engines import EngineModel, engine_model
+from vtrain.memory.timeline import build as build_timeline, device_events, resident, step_point, window_grads
 from vtrain.memory.trace import StepTrace, build_model, trace
-from vtrain.memory.tracker import RECOMPUTE
+from vtrain.memory.calibrate import Rates, cpu_rates
+from vtrain.memory.tracker import FORWARD, RECOMPUTE
 from vtrain.models.checkpointing import hidden_units, recompute_units
 
 NONE, FULL, SAC, FFN = "none", "full", "sac", "ffn"
@@ -84,6 +87,14 @@ class Plan:
     least_activation: int  # the smallest activation peak any traced plan reached (for the largest batch) ...
     least_spec: str  # ... and that plan's --grad-ckpt
     trace: StepTrace | None = field(default=None, repr=False, compare=False)
+    least_trace: StepTrace | None = field(default=None, repr=False, compare=False)  # the least-activation plan's
+    peak_at: str = ""  # where the chosen plan's step peaks (the timeline's point)
+    frontier: int = 0  # plans on the predicted frontier
+    rates: Rates | None = None  # a CPU run: the calibration that ranked the plans by time
+    extra_seconds: float | None = None  # ... the chosen plan's predicted recomputation time
+    forward_seconds: float | None = None  # ... and the forward's, without recomputation
+    fits: int = 0  # frontier plans traced and found within the budget
+    rejected: list = field(default_factory=list)  # cheaper frontier plans whose trace did not fit: (choice, total)
 
     def items(self) -> list[str]:
         """The plan's checkpointing as `--grad-ckpt` items (its FFN choice is not part of that language)."""
@@ -101,8 +112,20 @@ class Plan:
                 parts.append(f"{verb} {recompute.from_units(names, self.units)}")
         if self.ffn_units:
             parts.append(f"FFN hidden layer remade in {recompute.from_units(dict.fromkeys(self.ffn_units, FULL))}")
-        return (f"{' + '.join(parts) or 'recompute nothing'}: predicted {gib(self.total)} GiB of "
+        line = (f"{' + '.join(parts) or 'recompute nothing'}: predicted {gib(self.total)} GiB of "
                 f"{gib(self.budget)}, +{100 * self.extra_flops / max(self.forward_flops, 1):.1f}% forward FLOPs")
+        if self.extra_seconds is not None and self.forward_seconds:
+            line += f", +{100 * self.extra_seconds / self.forward_seconds:.1f}% forward time"
+        return line
+
+    def why(self) -> str:
+        """Why this plan: what it was ranked by, and what the cheaper plans on the frontier peaked at."""
+        by = f"the least predicted recompute time ({self.rates.describe()})" if self.rates else "the fewest recomputed FLOPs"
+        out = f"of the {self.frontier} plans on the predicted frontier, the one with {by} whose traced step peak fits"
+        if self.rejected:
+            over = ", ".join(f"{gib(t)}" for _, t in self.rejected[:3])
+            out += f"; {len(self.rejected)} cheaper one(s) traced above the budget ({over} GiB)"
+        return out + f"; the peak is at {self.peak_at}" if self.peak_at else out
 
     def to_dict(self) -> dict[str, Any]:
         return {"grad_ckpt": self.spec(), "units": self.modes, "ffn_units": self.ffn_units,
@@ -110,12 +133,17 @@ class Plan:
                 "activation_gib": round(self.activation / GiB, 3), "extra_forward_flops": self.extra_flops,
                 "forward_flops": self.forward_flops,
                 "extra_flops_pct": round(100 * self.extra_flops / max(self.forward_flops, 1), 2),
-                "traces": self.traces, "seconds": round(self.seconds, 1), "summary": self.describe()}
+                "traces": self.traces, "seconds": round(self.seconds, 1), "summary": self.describe(),
+                "why": self.why(), "peak_at": self.peak_at,
+                "extra_time_pct": (round(100 * self.extra_seconds / self.forward_seconds, 2)
+                                   if self.extra_seconds is not None and self.forward_seconds else None)}
 
 
 # ---- 1. measure ----------------------------------------------------------------------------------------------
-def profile(t: StepTrace) -> Profile:
-    """Per-unit keeps, peak terms and recompute cost of one trace (the module docstring, step 1). A unit's keeps
+def profile(t: StepTrace, em: EngineModel, later: bool = False) -> Profile:
+    """Per-unit keeps, peak terms and recompute cost of one trace (the module docstring, step 1), over the device's
+    view of the step (timeline.device_events: the gradients where the engine keeps them, its own buffers), so that
+    the predicted curve is the timeline's forward and backward. A unit's keeps
     are what it holds at the end of the forward and when the backward begins; a segment's peak term is measured
     against the keeps of the units before it (forward keeps in the forward, backward keeps in the backward), so
     that for the traced plan itself the prediction is its traced peak exactly. (What lives only for a while, e.g.
@@ -130,12 +158,12 @@ def profile(t: StepTrace) -> Profile:
     for key, consumers in rec.inputs.items():
         if len(consumers) == 1:
             unit_of_key[key] = consumers[0]
-    counted = [(i, key, d) for i, (key, d) in enumerate(rec.events) if key >= 0 and key not in t.grads]
+    counted = [(i, key, d) for i, key, d, _ in device_events(t, em, later)]
     backward_at = next((i for i, direction, _ in rec.marks if direction == 1), len(rec.events))
     forward_end = rec.forward_end if 0 <= rec.forward_end <= backward_at else backward_at
     keep_f, keep_b, flops, rebytes = [0] * n, [0] * n, [0] * n, [0] * n
     for i, key, d in counted:
-        w = unit_of_key[key]
+        w = unit_of_key[key] if key >= 0 else -1
         if w < 0:
             continue
         if i < forward_end:
@@ -171,14 +199,18 @@ def profile(t: StepTrace) -> Profile:
 # ---- 2-3. predict and search -----------------------------------------------------------------------------------
 @dataclass(order=True)
 class Candidate:
-    cost: tuple[int, int]  # (recomputed FLOPs, recomputed bytes)
+    cost: tuple[int, int]  # (recomputed FLOPs or predicted ns, recomputed bytes)
     predicted: int  # activation bytes at the peak
     choice: tuple[str, ...]  # one mode per unit
 
 
-def frontier(pre: int, options: list[dict[str, Option]]) -> list[Candidate]:
+def frontier(pre: int, options: list[dict[str, Option]], rates: Rates | None = None) -> list[Candidate]:
     """Plans on the predicted Pareto frontier, cheapest first, each predicted below every cheaper one. States
-    (forward keeps, backward keeps, peak so far) that agree to the bucket size keep only their cheapest plan."""
+    (forward keeps, backward keeps, peak so far) that agree to the bucket size keep only their cheapest plan.
+    The cost is the recomputed FLOPs, or with `rates` (a CPU run) the recomputation's predicted time."""
+    def work(o: Option) -> int:
+        return o.flops if rates is None else round(1e9 * rates.seconds(o.flops, o.rebytes))
+
     scale = max([pre] + [o.peak_f + o.peak_b + o.keep_f for opts in options for o in opts.values()])
     q = scale * max(len(options), 1) // BUCKETS + 1
     State = tuple[tuple[int, int], int, int, int, tuple[str, ...]]  # cost, keep_f, keep_b, peak, choice
@@ -187,7 +219,7 @@ def frontier(pre: int, options: list[dict[str, Option]]) -> list[Candidate]:
         new: dict[tuple[int, int, int], State] = {}
         for cost, kf, kb, peak, choice in states.values():
             for mode, o in opts.items():
-                s = ((cost[0] + o.flops, cost[1] + o.rebytes), kf + o.keep_f, kb + o.keep_b,
+                s = ((cost[0] + work(o), cost[1] + o.rebytes), kf + o.keep_f, kb + o.keep_b,
                      max(peak, kf + o.peak_f, kb + o.peak_b), choice + (mode,))
                 key = (s[1] // q, s[2] // q, s[3] // q)
                 old = new.get(key)
@@ -209,27 +241,38 @@ def _setup_for(setup: Setup, units: list[str], choice: tuple[str, ...]) -> Setup
 
 
 def plan(setup: Setup, budget: int | None = None, max_verify: int = MAX_VERIFY,
-         cache: dict[tuple[str, ...], StepTrace] | None = None) -> Plan:
-    """The cheapest traced plan within `budget` bytes per GPU (default: the Setup's memory_budget in GiB), or a
-    VtrainError naming the smallest peak found and what else would help. `cache`: traces by plan from earlier
-    calls with the same Setup (a budget sweep); the traces are deterministic, so reusing them changes nothing."""
+         cache: dict[tuple[str, ...], StepTrace] | None = None, facts: ModelFacts | None = None) -> Plan:
+    """The cheapest traced plan whose step peaks within `budget` bytes per GPU (default: the Setup's memory_budget
+    in GiB), or a VtrainError naming the smallest peak found and what else would help. `cache`: traces by plan
+    from earlier calls with the same Setup (a budget sweep); the traces are deterministic, so reusing them changes
+    nothing. `facts`: the model's facts with the run's optimizer groups (sizing.model_facts)."""
     t0 = time.perf_counter()
     budget = budget if budget is not None else int(setup.memory_budget * GiB)
-    facts = model_facts(setup)
-    fixed = estimate(setup, {"Activation": 0, "Peak": 0}, facts).total  # everything but the activations
+    facts = facts or model_facts(setup)
+    em = engine_model(setup, facts)
+    later = setup.grad_accum > 1  # the later micro-batches of a window hold its gradients: they peak higher
     with torch.device("meta"):
         model = build_model(dataclasses.replace(setup, grad_ckpt=(), ffn_units=()))
     units, hidden = list(recompute_units(model)), set(hidden_units(model))
     traced: dict[tuple[str, ...], StepTrace] = cache if cache is not None else {}
+    totals: dict[tuple[str, ...], int] = {}
 
     def run(choice: tuple[str, ...]) -> StepTrace:
         if choice not in traced:
             traced[choice] = trace(_setup_for(setup, units, choice))
         return traced[choice]
 
+    def total(choice: tuple[str, ...]) -> int:
+        if choice not in totals:
+            totals[choice] = build_timeline(run(choice), setup, em).total
+        return totals[choice]
+
+    def extra_work(t: StepTrace) -> float:
+        return t.recompute_flops if rates is None else rates.seconds(t.recompute_flops, t.written(RECOMPUTE))
+
     uniform = {m: tuple((m if (m != FFN or u in hidden) else NONE) for u in units)
                for m in (NONE, FULL, SAC, FFN) if m != FFN or hidden}
-    profiles = {m: profile(run(c)) for m, c in uniform.items()}
+    profiles = {m: profile(run(c), em, later) for m, c in uniform.items()}
     base = profiles[NONE]
     options = []
     for i, u in enumerate(units):
@@ -242,34 +285,48 @@ def plan(setup: Setup, budget: int | None = None, max_verify: int = MAX_VERIFY,
                                           rebytes=max(o.rebytes - base.units[i].rebytes, 0))
         options.append(opts)
     pre = max(p.pre for p in profiles.values())
-    room = budget - fixed
+    none_trace = traced[uniform[NONE]]
+    # the plan-independent parts: what is resident through forward and backward, and the optimizer step
+    constant = sum(resident(none_trace, setup, em).values()) + (
+        max(window_grads(none_trace, em) - em.resident_grads, 0) if later else 0)
+    floor = step_point(none_trace, setup, em).total
     measured = len(traced)  # the cap counts the traces this call adds
     chosen = None
-    for cand in frontier(pre, options):
-        known = traced.get(cand.choice)
-        if (known.activation if known is not None else cand.predicted) > room:
+    rates = None if setup.on_gpu else cpu_rates(torch.bfloat16 if setup.precision == "bf16" else torch.float32)
+    frontier_plans = frontier(pre, options, rates)
+    for cand in frontier_plans:
+        predicted = total(cand.choice) if cand.choice in traced else max(constant + cand.predicted, floor)
+        if predicted > budget:
             continue
-        if known is None and len(traced) - measured >= max_verify:
+        if cand.choice not in traced and len(traced) - measured >= max_verify:
             break
-        if run(cand.choice).activation <= room:
+        if total(cand.choice) <= budget:
             chosen = cand.choice
             break
     if chosen is None:  # the cap was reached, or nothing predicted to fit did: the cheapest traced plan that fits
-        fits = [c for c, t in traced.items() if t.activation <= room]
-        chosen = min(fits, key=lambda c: (traced[c].recompute_flops, c), default=None)
+        fits = [c for c in traced if total(c) <= budget]
+        chosen = min(fits, key=lambda c: (extra_work(traced[c]), c), default=None)
         if chosen is None:
-            smallest = min(traced, key=lambda c: (traced[c].activation, c))
-            raise NothingFits(fixed + traced[smallest].activation, budget,
-                              _setup_for(setup, units, smallest), setup)
+            smallest = min(traced, key=lambda c: (total(c), c))
+            raise NothingFits(total(smallest), budget, _setup_for(setup, units, smallest), setup)
     t = traced[chosen]
+    tl = build_timeline(t, setup, em)
     none = traced[uniform[NONE]]
     least = min(traced, key=lambda c: (traced[c].activation, c))
     return Plan(modes={u: m for u, m in zip(units, chosen) if m in (FULL, SAC)},
                 ffn_units=[u for u, m in zip(units, chosen) if m == FFN], units=units, budget=budget,
-                total=fixed + t.activation, activation=t.activation,
+                total=tl.total, activation=t.activation,
                 extra_flops=t.recompute_flops - none.recompute_flops, forward_flops=none.forward_flops,
                 traces=len(traced), seconds=time.perf_counter() - t0, least_activation=traced[least].activation,
-                least_spec=",".join(_setup_for(setup, units, least).grad_ckpt) or "none", trace=t)
+                least_spec=",".join(_setup_for(setup, units, least).grad_ckpt) or "none", trace=t,
+                least_trace=traced[least],
+                peak_at=tl.peak.where, frontier=len(frontier_plans), rates=rates,
+                extra_seconds=rates.seconds(t.recompute_flops - none.recompute_flops,
+                                            t.written(RECOMPUTE) - none.written(RECOMPUTE)) if rates else None,
+                forward_seconds=rates.seconds(none.forward_flops, none.written(FORWARD)) if rates else None,
+                fits=sum(1 for c in frontier_plans if c.choice in totals and totals[c.choice] <= budget),
+                rejected=[(c.choice, totals[c.choice]) for c in frontier_plans
+                          if c.choice in totals and totals[c.choice] > budget])
 
 
 def gib(n: int) -> str:

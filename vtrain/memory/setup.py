@@ -31,6 +31,8 @@ class Setup:
     # layer (models/checkpointing.set_hidden_recompute); None: ffn_recompute decides
     ffn_units: tuple[str, ...] | None = None
     ffn_chunk: int = ModelConfig.ffn_chunk  # DINO encoder FFNs over this many tokens at a time (ModelConfig.ffn_chunk)
+    layer_decay: float | None = None  # the run's --layer-decay: splits the optimizer's groups per backbone layer
+    grad_accum: int = 1  # micro-batches per optimizer step (gradients of the window stay live across them)
     zero: int = 0  # 0 = DDP, 1-3 = ZeRO stage
     fsdp: bool = False
     offload: str = "none"  # none | optimizer | all
@@ -46,6 +48,8 @@ class Setup:
     head_update: str = ModelConfig.head_update  # metric, sharded head: dense | sampled (its gradient's size)
     ds_buckets: tuple[float, float] = (VTRAIN_DS_BUCKET, VTRAIN_DS_BUCKET)  # reduce, allgather (elements)
     overlap_comm: bool = True
+    ds_prefetch: float = 5e7  # ZeRO-3: stage3_prefetch_bucket_size (elements gathered ahead)
+    ds_persistence: float = 1e5  # ZeRO-3: stage3_param_persistence_threshold (smaller parameters stay gathered)
     ds_16bit: bool = False  # a DeepSpeed JSON with bf16/fp16 enabled (16-bit params); else torch_autocast / fp32
     autocast_policy: str = "cuda"  # cuda | cpu (the CPU tests compare against real CPU runs)
     # DINO's deformable attention: auto = the implementation a run on the target device uses, i.e. the fused
@@ -59,6 +63,18 @@ class Setup:
         if self.msda_impl != "auto":
             return self.msda_impl
         return "triton" if self.autocast_policy == "cuda" else "pytorch"
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the estimate is for a GPU run (CUDA autocast rules, the caching allocator's 512-byte blocks,
+        torch's foreach optimizer, the CUDA context allowance) or for a run on this CPU (the validation)."""
+        return self.autocast_policy == "cuda"
+
+    @property
+    def granularity(self) -> int:
+        """The allocator's block: the CUDA caching allocator rounds every block up to 512 bytes; the CPU allocator
+        allocates what is asked."""
+        return 512 if self.on_gpu else 1
 
     @property
     def sharded_head(self) -> bool:
@@ -82,7 +98,8 @@ def run_setup(cfg: RunConfig, precision: str, **engine: Any) -> Setup:
               grad_ckpt=() if spec.auto else tuple(spec.canonical()), ffn_recompute=m.ffn_recompute, ffn_chunk=m.ffn_chunk,
               embedding_dim=m.embedding_dim, neck_norm=m.neck_norm, head_parallel=m.head_parallel,
               sample_rate=m.sample_rate, head_update=m.head_update, shared_class_head=m.shared_class_head,
-              shared_box_head=m.shared_box_head, **engine)
+              shared_box_head=m.shared_box_head, layer_decay=cfg.optim.layer_decay, grad_accum=cfg.train.grad_accum,
+              **engine)
     if cfg.task == "metric" and "num_classes" not in engine:
         s.num_classes = 10_000
     return s

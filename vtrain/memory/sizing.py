@@ -1,46 +1,53 @@
 """Per-GPU training memory, predicted without a GPU: pure functions, no rendering (tools/memory_table.py draws it).
 
-Three parts (the bare § numbers below are sections of docs/memory_ckpt.md):
-- Model states: exact byte counts from the real model built on the meta device, partitioned as in the ZeRO paper
-  (§2.1): mixed-precision Adam is 16 bytes/param unsharded: 2 (16-bit params) + 2 (16-bit grads) + 12 (fp32
-  master, momentum, variance). vtrain's own engines keep fp32 parameters and gradients (4 + 4 + 8 = 16 bytes too).
-  Stage 1 divides the optimizer states by the number of GPUs, stage 2 the gradients too, stage 3 the parameters
-  too; FSDP2 is stage 3. Offload moves optimizer states (and with `all`, parameters) to CPU.
-- Activations: one traced forward + backward of the real model under fake tensors (trace.py).
-- A sharded face head (`--head-parallel sharded`): its rows, gradient and AdamW state per rank (head.py), never
-  partitioned or offloaded.
-- Buffers that no tracer sees: DeepSpeed's communication buckets (§2.2: with overlap_comm 4.5 x (reduce +
-  allgather) bucket elements x 2 bytes) and the CUDA context / library workspaces (a fixed allowance).
+The estimate is the largest point of one steady-state training step's timeline (timeline.py): the traced
+forward and backward of the real model under fake tensors (trace.py), each parameter's gradient placed where the
+engine keeps it and the model states (engines.py: exact byte counts of the real model built on the meta device,
+partitioned as the engine partitions them), the optimizer step traced on the tensors it updates (step.py), a
+sharded face head beside the model (head.py), and on a GPU a fixed allowance for the CUDA context and libraries.
+`model_state_bytes` keeps the ZeRO paper's closed forms (docs/memory_ckpt.md §2.1), which the tests hold against
+DeepSpeed's own estimator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
-from vtrain.memory.head import head_state_bytes, shard_rows
+from vtrain.memory.engines import engine_model
+from vtrain.memory.head import shard_rows
 from vtrain.memory.setup import Setup
-from vtrain.memory.trace import build_model, trace_step
+from vtrain.memory.timeline import CUDA_CONTEXT_BYTES, PARTS, Point, Timeline, build
+from vtrain.memory.trace import StepTrace, build_model, trace
+from vtrain.memory.tracker import rounded
 from vtrain.models.checkpointing import outer_blocks
 
 GiB = 2**30
-CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces + NCCL: an allowance, not traced
+__all__ = ["CUDA_CONTEXT_BYTES", "Estimate", "GiB", "ModelFacts", "estimate", "max_batch_that_fits", "model_facts"]
 
 
 @dataclass
 class Estimate:
+    """Per-GPU bytes at the step's peak, by part (they sum to `total`), the point it is, the traced activation
+    peak alone, and the whole timeline."""
+
     setup: dict[str, Any]
     params_total: int
     params_trainable: int
-    parameters: int  # bytes per GPU
+    parameters: int  # bytes per GPU live at the peak
     gradients: int
     optimizer: int
     activations: int
     temporary: int
     overhead: int
     cpu_offloaded: int
+    activation_peak: int = 0  # the traced activation peak (gradients left out), wherever it falls
+    peak_at: str = ""
+    points: list[Point] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -50,6 +57,7 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["total"] = self.total
+        d["points"] = [{"where": p.where, "phase": p.phase, **p.parts, "total": p.total} for p in self.points]
         return d
 
 
@@ -105,86 +113,90 @@ def deepspeed_reference(total_params: int, largest_layer: int, zero: int, offloa
     return estimate_zero2_model_states_mem_needs(total_params, gpus, 1, cpu_offload=offload != "none")[1]
 
 
-def comm_buffer_bytes(zero: int, buckets: tuple[float, float], overlap_comm: bool, precision: str) -> int:
-    """DeepSpeed's flat communication buffers (docs/memory_ckpt.md §2.2): with overlap_comm about 4.5 x the reduce +
-    allgather bucket sizes (HF's DeepSpeed docs: 5e8 -> 9 GB in 16-bit), else one of each."""
-    if zero == 0:
-        return 0
-    elem = 2 if precision != "no" else 4
-    reduce, allgather = buckets
-    factor = 4.5 if overlap_comm else 1.0
-    return int(factor * (reduce + allgather) * elem)
-
-
 @dataclass
 class ModelFacts:
     trainable: int
     frozen: int
     largest_layer: int  # most parameters held directly by one module (DeepSpeed's "largest layer")
     largest_block: int  # most parameters in one FSDP2 unit (engine/fsdp.py shards the outermost blocks)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # every parameter, by qualified name
+    trainable_names: list[str] = field(default_factory=list)
+    groups: list[list[str]] = field(default_factory=list)  # the optimizer's parameter groups (trainable names)
+    block_of: dict[str, int] = field(default_factory=dict)  # FSDP2 unit of each parameter (-1: the root's)
+    blocks: list[tuple[str, bool]] = field(default_factory=list)  # FSDP2 units: qualified name, holds BatchNorm
+    buffer_bytes: int = 0  # every buffer of the model, as the target's allocator holds it
+    head_step: int = 0  # the sharded head's own update: the most bytes it allocates at once (engine/step_costs.py)
 
 
-def model_facts(setup: Setup) -> ModelFacts:
-    """Parameter counts of the real model on the meta device (one build; checkpointing and engines do not
-    change them)."""
+Grouping = Callable[[nn.Module], list[list[nn.Parameter]]]
+
+
+def model_facts(setup: Setup, grouping: Grouping | None = None) -> ModelFacts:
+    """Parameter counts and shapes of the real model on the meta device (one build; checkpointing and engines do
+    not change them). `grouping`: the optimizer's parameter groups of a model (a training run's: engine/optim.py
+    `param_groups`); without it, one group of every trainable parameter (what torch's foreach AdamW on a GPU
+    updates at once is then the whole model: an upper bound)."""
     with torch.device("meta"):
         model = build_model(setup)
-    params = list(model.parameters())
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
     units = outer_blocks(model) or [model]
+    module_name = {id(m): n for n, m in model.named_modules()}
+    name_of = {id(p): n for n, p in named}
+    block_of = {name_of[id(p)]: i for i, u in enumerate(units) for p in u.parameters() if id(p) in name_of}
+    trainable = [n for n, p in named if p.requires_grad]
+    groups = ([[name_of[id(p)] for p in grp if p.requires_grad] for grp in grouping(model)] if grouping is not None
+              else [trainable])
     return ModelFacts(trainable=sum(p.numel() for p in params if p.requires_grad),
                       frozen=sum(p.numel() for p in params if not p.requires_grad),
                       largest_layer=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
-                      largest_block=max(sum(p.numel() for p in u.parameters()) for u in units))
+                      largest_block=max(sum(p.numel() for p in u.parameters()) for u in units),
+                      shapes={n: tuple(p.shape) for n, p in named}, trainable_names=trainable,
+                      groups=[g for g in groups if g], block_of={n: block_of.get(n, -1) for n, _ in named},
+                      blocks=[(module_name[id(u)], any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                                       for m in u.modules())) for u in units],
+                      buffer_bytes=sum(rounded(b.numel() * b.element_size(), setup.granularity)
+                                       for b in model.buffers()))
 
 
-def untraced_temporary(setup: Setup, facts: ModelFacts) -> int:
-    """Temporaries no trace sees: FSDP2 gathers one block's full parameters at a time (two with prefetch) in the
-    compute dtype; DeepSpeed's communication buckets, and under ZeRO-3 the gathered largest layer, as DeepSpeed's
-    estimator counts it."""
-    extra = 0
-    if setup.fsdp:
-        extra += 2 * facts.largest_block * (2 if setup.precision != "no" else 4)
-    if setup.zero:
-        extra += comm_buffer_bytes(setup.zero, setup.ds_buckets, setup.overlap_comm, setup.precision)
-        if setup.zero == 3:
-            extra += 4 * facts.largest_layer
-    return extra
-
-
-def estimate(setup: Setup, trace: dict[str, int] | None = None, facts: ModelFacts | None = None) -> Estimate:
-    """Assemble the per-GPU estimate; the trace and the parameter counts are computed when not given."""
+def estimate(setup: Setup, step: StepTrace | None = None, facts: ModelFacts | None = None) -> Estimate:
+    """The per-GPU estimate: the largest point of the step's timeline. The trace and the model's facts are made
+    when not given (a trace is engine-independent: one serves every engine of the same model and batch)."""
     facts = facts or model_facts(setup)
-    trace = trace if trace is not None else trace_step(setup)
-    states = model_state_bytes(facts.trainable, facts.frozen, setup.zero, setup.fsdp, setup.offload, setup.gpus,
-                               setup.ds_16bit)
-    head = head_state_bytes(setup)  # outside the engine: never partitioned or offloaded (head.py)
-    for k in ("parameters", "gradients", "optimizer"):
-        states[k] += head[k]
+    step = step if step is not None else trace(setup)
+    em = engine_model(setup, facts)
+    tl = build(step, setup, em)
+    return _estimate(setup, facts, tl, em.cpu)
+
+
+def _estimate(setup: Setup, facts: ModelFacts, tl: Timeline, cpu: int) -> Estimate:
+    peak = tl.peak
     notes = []
     if setup.sharded_head:
         notes.append(f"sharded head: {setup.num_classes:,} identities over {setup.gpus} GPU(s), {shard_rows(setup):,} "
-                     f"rows here ({(head['parameters'] + head['gradients'] + head['optimizer']) / GiB:.2f} GiB of "
-                     f"weight, gradient and AdamW state); logits of the global batch of {setup.gpus * setup.batch_size}"
-                     f" x {'all' if setup.sample_rate >= 1 else f'{setup.sample_rate:g} of the'} rows traced")
+                     f"rows here; logits of the global batch of {setup.gpus * setup.batch_size} x "
+                     f"{'all' if setup.sample_rate >= 1 else f'{setup.sample_rate:g} of the'} rows traced")
     if setup.task == "dino":
         notes.append("deformable attention traced as " + (
             "the fused Triton op (saves value, locations and weights)" if setup.resolved_msda_impl() == "triton"
             else "the PyTorch grid_sample path (keeps every sampled value)"))
-    if setup.zero:
-        notes.append(f"DeepSpeed buckets: reduce {setup.ds_buckets[0]:.0e}, allgather {setup.ds_buckets[1]:.0e} "
-                     f"elements, overlap_comm {setup.overlap_comm}")
     return Estimate(setup=asdict(setup), params_total=facts.trainable + facts.frozen,
-                    params_trainable=facts.trainable, parameters=states["parameters"],
-                    gradients=states["gradients"], optimizer=states["optimizer"], activations=trace["Activation"],
-                    temporary=untraced_temporary(setup, facts), overhead=CUDA_CONTEXT_BYTES,
-                    cpu_offloaded=states["cpu"], notes=notes)
+                    params_trainable=facts.trainable, cpu_offloaded=cpu, activation_peak=tl.activation_peak,
+                    peak_at=peak.where, points=tl.points, notes=notes + tl.notes,
+                    **{k: peak.parts[k] for k in PARTS})
 
 
 def max_batch_that_fits(est: Estimate, budget_bytes: int) -> int:
-    """Largest micro-batch within a budget: activations scale linearly with the batch (from the traced batch),
-    model states, temporaries and overhead are taken as fixed. 0 when even one sample does not fit."""
-    per_sample = est.activations / est.setup["batch_size"]
-    room = budget_bytes - (est.total - est.activations)
-    if per_sample <= 0 or room < per_sample:
-        return 0
-    return int(room // per_sample)
+    """Largest micro-batch within a budget: at every point of the timeline the activations live there scale
+    linearly with the batch (from the traced batch), the rest is taken as fixed. 0 when even one sample does not
+    fit."""
+    b0 = est.setup["batch_size"]
+    best = None
+    for p in est.points or []:
+        act, rest = p.parts.get("activations", 0), p.total - p.parts.get("activations", 0)
+        if rest > budget_bytes:
+            return 0
+        if act > 0:
+            fit = int((budget_bytes - rest) // (act / b0))
+            best = fit if best is None else min(best, fit)
+    return max(best if best is not None else b0, 0)

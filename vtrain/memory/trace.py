@@ -33,7 +33,7 @@ from vtrain.config import ModelConfig
 from vtrain.data.coco import PAD_DIVISOR
 from vtrain.memory.head import head_loss, sharded_head, upper_bound_shapes
 from vtrain.memory.setup import Setup
-from vtrain.memory.tracker import FORWARD, RECOMPUTE, LiveBytes, Recording, Row
+from vtrain.memory.tracker import FORWARD, RECOMPUTE, LiveBytes, Recording, Row, rounded
 from vtrain.models.checkpointing import recompute_units, set_hidden_recompute
 from vtrain.models.dino.msda import auto_impl
 from vtrain.tasks.model import build_model as build_task_model
@@ -142,15 +142,22 @@ def one_process():
 @dataclass
 class StepTrace:
     """One traced training step. `activation`: peak bytes of everything the step creates except gradients
-    (saved activations and temporaries together), the estimator's activation figure; `peak`: gradients included;
-    `grads`: the gradient storages (left out of `activation`, counted with the model states); `recording`: what
-    happened, for the breakdown and the planner; `units`: the model's recompute units in forward order."""
+    (saved activations and temporaries together), the estimator's activation figure; `peak`: gradients included,
+    as autograd makes them; `grad_of`: each gradient storage's parameter (qualified name; the sharded head's under
+    `head.`), which the step's timeline places as the engine keeps them (timeline.py); `recording`: what happened,
+    for the breakdown, the timeline and the planner; `units`: the model's recompute units in forward order;
+    `input_bytes`: the batch."""
 
     activation: int
     peak: int
-    grads: set[int]
+    grad_of: dict[int, str]
     recording: Recording
     units: list[str]
+    input_bytes: int = 0
+
+    @property
+    def grads(self) -> set[int]:
+        return set(self.grad_of)
 
     def breakdown(self) -> list[Row]:
         """Activation bytes at the peak by (module, phase), largest first; they sum to `activation`."""
@@ -159,6 +166,11 @@ class StepTrace:
     @property
     def forward_flops(self) -> int:
         return self.recording.flops_by(FORWARD)
+
+    def written(self, phase: str) -> int:
+        """Bytes of the storages the step made in `phase` (what memory-bound work writes)."""
+        rec = self.recording
+        return sum(d for k, d in rec.events if k >= 0 and d > 0 and rec.labels[rec.label_of[k]][1] == phase)
 
     @property
     def recompute_flops(self) -> int:
@@ -200,7 +212,8 @@ def _trace(setup: Setup, fake: bool) -> StepTrace:
         existing = [*model.parameters(), *model.buffers(), *(t for t in inputs.values() if isinstance(t, torch.Tensor))]
         if head is not None:
             existing += [*head.parameters(), *head.buffers()]
-        tracker = LiveBytes(existing, model, units, {"head": head} if head is not None else None)
+        tracker = LiveBytes(existing, model, units, {"head": head} if head is not None else None,
+                            granularity=setup.granularity)
         # the policy and the kernel choice stay on in backward: checkpointed blocks recompute under them
         with tracker, policy, kernel, shapes:
             with amp:
@@ -213,11 +226,15 @@ def _trace(setup: Setup, fake: bool) -> StepTrace:
             tracker.backward = True
             loss.backward()
         # the sharded head's gradient: of its weight, or with sampling of the sampled rows' own leaves
-        params = [*model.parameters(), *(head.parameters() if head is not None else ()),
-                  *(leaf for _, leaf in (head.pending if head is not None else ()))]
-        grads = {tracker.key_of(p.grad) for p in params if p.grad is not None} - {None}
+        named = [*model.named_parameters(), *(head.named_parameters("head") if head is not None else ()),
+                 *((f"head.sampled.{i}", leaf) for i, (_, leaf) in enumerate(head.pending if head is not None else ()))]
+        grad_of = {tracker.key_of(p.grad): name for name, p in named if p.grad is not None}
+        grad_of = {k: name for k, name in grad_of.items() if k is not None and k >= 0}
+        input_bytes = sum(rounded(t.untyped_storage().nbytes(), setup.granularity) for t in inputs.values()
+                          if isinstance(t, torch.Tensor))
     rec = tracker.recording()
-    return StepTrace(rec.live_curve(grads)[0], rec.live_curve(set())[0], grads, rec, list(units))
+    return StepTrace(rec.live_curve(set(grad_of))[0], rec.live_curve(set())[0], grad_of, rec, list(units),
+                     input_bytes)
 
 
 def trace_step(setup: Setup, fake: bool = True) -> dict[str, int]:

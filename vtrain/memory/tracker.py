@@ -1,7 +1,8 @@
 """Every storage one traced training step creates and frees, which module made it, and the FLOPs of each op.
 
 `LiveBytes` is a TorchDispatchMode below which a fake-tensor step runs (memory/trace.py). It records each new
-storage once, with its size rounded up to 512 bytes like the CUDA caching allocator, and its release (a weak
+storage once, with its size rounded up to the target allocator's block (512 bytes for the CUDA caching
+allocator; the CPU allocator reports the size asked for, `granularity=1`), and its release (a weak
 finaliser): O(1) per op, where torch's MemTracker rescans every live storage on every op (minutes for Swin-L DINO).
 
 Attribution. Global module hooks keep a stack of the modules whose forward is running. A storage made in the
@@ -30,11 +31,16 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from vtrain.models.lean import is_remaking
+from vtrain.models.lean import in_checkpoint, is_remaking
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 ROOT = ""  # the model itself (ops of its own forward outside any submodule)
 _FLOPS = FlopCounterMode(display=False).flop_registry
+
+
+def rounded(nbytes: int, granularity: int) -> int:
+    """Bytes an allocator holds for a storage of `nbytes`: rounded up to its block size."""
+    return -(-nbytes // granularity) * granularity
 
 
 @dataclass
@@ -102,9 +108,10 @@ class LiveBytes(TorchDispatchMode):
     `units`: recompute unit name -> its blocks (models/checkpointing.recompute_units), for the unit attribution."""
 
     def __init__(self, existing: list[torch.Tensor], model: nn.Module | None = None,
-                 units: dict[str, tuple[nn.Module, ...]] | None = None, extra: dict[str, nn.Module] | None = None
-                 ) -> None:
+                 units: dict[str, tuple[nn.Module, ...]] | None = None, extra: dict[str, nn.Module] | None = None,
+                 granularity: int = 512) -> None:
         super().__init__()
+        self.granularity = granularity
         self.events: list[tuple[int, int]] = []
         self.keys = WeakIdKeyDictionary()
         self.next_key = 0
@@ -182,7 +189,7 @@ class LiveBytes(TorchDispatchMode):
         # a forward inside backward: checkpoint recomputation runs with grad mode on, lean.py's remakes inside a
         # module's forward; the backward ops themselves run with grad mode off and no forward on the stack
         # ... and chunked_mlp's hidden layer, remade inside its Function's backward (lean.remaking)
-        again = bool(self.stack) or torch.is_grad_enabled() or is_remaking()
+        again = bool(self.stack) or torch.is_grad_enabled() or is_remaking() or in_checkpoint()
         if self.stack:
             return self.stack[-1], RECOMPUTE
         node = torch._C._current_autograd_node()
@@ -209,7 +216,7 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 if st not in self.keys:
-                    key, n = self.next_key, -(-st.nbytes() // 512) * 512
+                    key, n = self.next_key, rounded(st.nbytes(), self.granularity)
                     self.next_key += 1
                     self.keys[st] = key
                     label = self.label_ids.setdefault((module, phase), len(self.labels))

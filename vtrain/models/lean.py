@@ -55,6 +55,12 @@ def _enclosing_hooks() -> tuple | None | bool:
     return hooks if _is_checkpoint_hook(hooks[0]) else True
 
 
+def in_checkpoint() -> bool:
+    """Whether torch's checkpoint hooks are the innermost saved-tensor hooks now: in backward, that is a
+    checkpointed unit running forward again (also inside a custom Function's forward, where grad mode is off)."""
+    return isinstance(_enclosing_hooks(), tuple)
+
+
 # torch.utils.checkpoint's own pack hooks: its forward's and its recomputation's (the names of torch 2.1-2.14; 2.14
 # also marks them `_checkpoint_internal`)
 _CHECKPOINT_PACKS = ("_checkpoint_hook.__init__.<locals>.pack_hook", "_recomputation_hook.__init__.<locals>.pack_hook")

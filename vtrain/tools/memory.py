@@ -8,9 +8,10 @@ import dataclasses
 import time
 from typing import Any
 
+from vtrain.engine.step_costs import run_facts
 from vtrain.memory.planner import Plan, plan as make_plan
 from vtrain.memory.setup import Setup
-from vtrain.memory.sizing import GiB, Estimate, estimate, max_batch_that_fits, model_facts
+from vtrain.memory.sizing import GiB, Estimate, estimate, max_batch_that_fits
 from vtrain.memory.trace import StepTrace, trace
 
 ENGINES = [dict(zero=0, fsdp=False, offload="none"), dict(zero=1, fsdp=False, offload="none"),
@@ -20,7 +21,8 @@ ENGINES = [dict(zero=0, fsdp=False, offload="none"), dict(zero=1, fsdp=False, of
 
 
 def _gib(est: Estimate) -> dict[str, float]:
-    keys = ("parameters", "gradients", "optimizer", "activations", "temporary", "overhead", "total", "cpu_offloaded")
+    keys = ("parameters", "gradients", "optimizer", "activations", "temporary", "overhead", "total", "cpu_offloaded",
+            "activation_peak")
     d = est.to_dict()
     return {k: round(d[k] / GiB, 3) for k in keys}
 
@@ -51,11 +53,12 @@ def planned(setup: Setup, p: Plan) -> Setup:
 def estimate_report(setup: Setup, gpu_memory_gib: float = 24.0, compare_gc: bool = True,
                     breakdown_rows: int = 0) -> dict[str, Any]:
     """The chosen configuration (with `setup.memory_budget`: the planner's), its alternatives (checkpointing
-    choices: traced; engines and offload: the same trace with other model-state partitions), the largest batch
-    within `gpu_memory_gib` (or the budget), and with `breakdown_rows` the activation breakdown at the peak."""
+    choices: traced; engines and offload: the same trace under other engines), the largest batch within
+    `gpu_memory_gib` (or the budget), the step's timeline, and with `breakdown_rows` the activation breakdown at
+    the activation peak."""
     t0 = time.perf_counter()
-    facts = model_facts(setup)
-    p = make_plan(setup) if setup.memory_budget is not None else None
+    facts = run_facts(setup)
+    p = make_plan(setup, facts=facts) if setup.memory_budget is not None else None
     if p is not None:
         setup, main = planned(setup, p), p.trace
         gpu_memory_gib = setup_budget = p.budget / GiB
@@ -63,7 +66,7 @@ def estimate_report(setup: Setup, gpu_memory_gib: float = 24.0, compare_gc: bool
         main = trace(setup)
         setup_budget = None
     seconds = time.perf_counter() - t0
-    chosen = estimate(setup, {"Activation": main.activation}, facts)
+    chosen = estimate(setup, main, facts)
     gc_choices = [(), ("backbone",), ("backbone", "encoder"), ("backbone", "encoder", "decoder")] \
         if setup.task == "dino" else [(), ("backbone",)]
     rows = []
@@ -72,24 +75,27 @@ def estimate_report(setup: Setup, gpu_memory_gib: float = 24.0, compare_gc: bool
             if gc == tuple(setup.grad_ckpt) and setup.ffn_units is None:
                 continue
             alt = dataclasses.replace(setup, grad_ckpt=gc, ffn_units=None)
-            rows.append(("checkpointing", alt, estimate(alt, {"Activation": trace(alt).activation}, facts)))
+            rows.append(("checkpointing", alt, estimate(alt, trace(alt), facts)))
     for kw in ENGINES:
         alt = dataclasses.replace(setup, **kw)
         if (alt.zero, alt.fsdp, alt.offload) == (setup.zero, setup.fsdp, setup.offload):
             continue
-        rows.append(("engine", alt, estimate(alt, {"Activation": main.activation}, facts)))
+        rows.append(("engine", alt, estimate(alt, main, facts)))
     budget = int(gpu_memory_gib * GiB)
     report = {
         "setup": dataclasses.asdict(setup),
         "params_total": chosen.params_total, "params_trainable": chosen.params_trainable,
-        "estimate_gib": _gib(chosen), "notes": chosen.notes,
+        "estimate_gib": _gib(chosen), "peak_at": chosen.peak_at,
+        "timeline": [{"where": pt.where, "phase": pt.phase, **{k: round(v / GiB, 3) for k, v in pt.parts.items()},
+                      "total": round(pt.total / GiB, 3)} for pt in chosen.points],
+        "notes": chosen.notes,
         "max_batch_size": max_batch_that_fits(chosen, budget), "gpu_memory_gib": gpu_memory_gib,
         "alternatives": [{"kind": kind, "label": alt.label(), **_gib(est),
                           "max_batch_size": max_batch_that_fits(est, budget)} for kind, alt, est in rows],
         "trace_seconds": round(seconds, 1),
     }
     if p is not None:
-        least = estimate(setup, {"Activation": p.least_activation}, facts)
+        least = estimate(setup, p.least_trace, facts)
         report["plan"] = {**p.to_dict(), "max_batch_size": max_batch_that_fits(least, budget),
                           "max_batch_grad_ckpt": p.least_spec}
         report["memory_budget_gib"] = setup_budget

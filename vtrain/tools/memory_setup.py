@@ -7,7 +7,7 @@ from typing import Any
 
 from vtrain import recompute
 from vtrain.config import NECK_NORMS, ModelConfig, build_config, check_neck_batch, read_yaml
-from vtrain.ds_json import bucket_sizes, check_structure, explicit_16bit, read_json, zero_settings
+from vtrain.ds_json import bucket_sizes, check_structure, explicit_16bit, read_json, stage3_sizes, zero_settings
 from vtrain.engine.plan import resolve_precision
 from vtrain.errors import VtrainError
 from vtrain.memory.setup import Setup, run_setup
@@ -21,8 +21,9 @@ def _ds_fields(path: str) -> dict[str, Any]:
     check_structure(raw, path)  # what training's config validation checks, before any value is read
     zero = zero_settings(raw)
     offload = "all" if zero.offload_params else ("optimizer" if zero.offload_optimizer else "none")
+    prefetch, persistence = stage3_sizes(raw)
     return {"zero": zero.stage, "offload": offload, "ds_buckets": bucket_sizes(raw), "overlap_comm": zero.overlap_comm,
-            "ds_16bit": bool(explicit_16bit(raw))}
+            "ds_16bit": bool(explicit_16bit(raw)), "ds_prefetch": prefetch, "ds_persistence": persistence}
 
 
 def parse_image_size(text: str, task: str) -> tuple[int, int]:
@@ -41,7 +42,7 @@ def parse_image_size(text: str, task: str) -> tuple[int, int]:
 
 def setup_from(*, model=None, task=None, batch_size=None, image_size=None, precision=None, grad_ckpt=None,
                zero=None, fsdp=None, offload=None, gpus=1, num_classes=None, config=None, ds_config=None,
-               head_parallel=None, sample_rate=None, memory_budget=None, neck_norm=None) -> Setup:
+               head_parallel=None, sample_rate=None, memory_budget=None, neck_norm=None, grad_accum=None) -> Setup:
     """A Setup from `vtrain train`'s config file (if any), then explicit flags; validated here (CLI boundary).
     `memory_budget` (GiB; or the config's `model.memory_budget` with `grad_ckpt: [auto]`) asks for a recompute
     plan: the Setup's own checkpointing is then empty and the planner fills it."""
@@ -69,6 +70,10 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         if batch_size < 1:
             raise VtrainError("--batch-size: must be >= 1")
         s.batch_size = batch_size
+    if grad_accum is not None:
+        if grad_accum < 1:
+            raise VtrainError("--grad-accum: must be >= 1")
+        s.grad_accum = grad_accum
     if image_size is not None:
         s.image_size = parse_image_size(image_size, s.task)
     if precision is not None:

@@ -15,7 +15,8 @@ def render(report: dict[str, Any]) -> list[Any]:
     h, w = s["image_size"]
     title = (f"{s['task']} {s['preset']}: batch {s['batch_size']} at {h}x{w}, {s['precision']}, {s['gpus']} GPU(s); "
              f"{report['params_total'] / 1e6:.1f}M parameters ({report['params_trainable'] / 1e6:.1f}M trainable)")
-    main = Table(title=title, caption="GiB per GPU; activations at the peak of one traced forward + backward")
+    main = Table(title=title, caption="GiB per GPU at the step's peak (the largest point of its timeline, below); "
+                                      "steady state: the optimizer's states exist from the first step on")
     main.add_column("configuration")
     for c in COLUMNS:
         main.add_column(c, justify="right")
@@ -29,7 +30,7 @@ def render(report: dict[str, Any]) -> list[Any]:
                  str(report["max_batch_size"]))
     for alt in report["alternatives"]:
         main.add_row(alt["label"], *(f"{alt[c]:.2f}" for c in COLUMNS), str(alt["max_batch_size"]))
-    out: list[Any] = [main]
+    out: list[Any] = [main, render_timeline(report)]
     if est["cpu_offloaded"]:
         out.append(f"offloaded to CPU per GPU: {est['cpu_offloaded']:.2f} GiB")
     out += [f"note: {n}" for n in report["notes"]]
@@ -37,12 +38,30 @@ def render(report: dict[str, Any]) -> list[Any]:
         p = report["plan"]
         out.append(f"[bold]--grad-ckpt auto[/bold]: {p['summary']} (--grad-ckpt {p['grad_ckpt']}; "
                    f"{p['traces']} traces, {p['seconds']:.0f} s)")
+        out.append(f"why: {p['why']}")
         out.append(f"largest batch within {p['budget_gib']:g} GiB: {p['max_batch_size']} "
                    f"(activations scaled from the traced batch, with --grad-ckpt {p['max_batch_grad_ckpt']})")
     if "breakdown" in report:
         out += render_breakdown(report["breakdown"])
     out.append(f"traced in {report['trace_seconds']:.1f} s (fake tensors: no memory was allocated)")
     return out
+
+
+def render_timeline(report: dict[str, Any]) -> Table:
+    """The chosen configuration's step, point by point: the largest point of forward and of backward (and of a
+    later micro-batch when accumulating) and the optimizer step; the peak is marked."""
+    points = report["timeline"]
+    top = max(points, key=lambda p: p["total"])
+    t = Table(title=f"the step's timeline: peak {top['total']:.2f} GiB at {top['where']}",
+              caption=f"activation peak alone (gradients left out): {report['estimate_gib']['activation_peak']:.2f} "
+                      "GiB; gradients as the engine keeps them when each point is reached")
+    t.add_column("point")
+    for c in COLUMNS:
+        t.add_column(c, justify="right")
+    for p in points:
+        mark = "[bold]" if p is top else ""
+        t.add_row(f"{mark}{p['where']}", *(f"{mark}{p[c]:.2f}" for c in COLUMNS))
+    return t
 
 
 def _size(n: int) -> str:

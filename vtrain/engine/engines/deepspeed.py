@@ -28,7 +28,7 @@ from torch import nn
 
 from vtrain import guarded
 from vtrain.config import OptimConfig
-from vtrain.ds_json import bucket_sizes, zero_settings
+from vtrain.ds_json import bucket_sizes, stage3_sizes, zero_settings
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import engine_layout
 from vtrain.engine import precision as prec
@@ -99,8 +99,9 @@ class DeepSpeedEngine(Engine):
     @classmethod
     def estimator_fields(cls, plan: Plan) -> dict[str, Any]:
         zero = zero_settings(plan.ds_config)
+        prefetch, persistence = stage3_sizes(plan.ds_config)
         return {"fsdp": False, "zero": plan.zero_stage, "ds_buckets": bucket_sizes(plan.ds_config),
-                "overlap_comm": zero.overlap_comm,
+                "overlap_comm": zero.overlap_comm, "ds_prefetch": prefetch, "ds_persistence": persistence,
                 "offload": "all" if plan.offload_params else ("optimizer" if plan.offload_optimizer else "none"),
                 "ds_16bit": plan.ds_precision_mode in ("bf16", "fp16")}
 
