@@ -54,7 +54,7 @@ class Trainer:
         enforce_weights_only(deepspeed=False)
         self.interrupt = interrupt or GracefulInterrupt().install()
         self.faults = faults.injected()  # the tests' fault injection, read once (faults.py)
-        # 1. launch plan, then the process group: everything below may run collectives.
+        # 1. launch plan, then the process group and the plan's engine class: everything below may run collectives.
         self.plan = resolve_plan(cfg)
         self.out = Path(t.output_dir)
         self.accelerator = build_accelerator(self.plan, t.grad_accum, tracker_name(t.report_to), t.output_dir)
@@ -64,7 +64,8 @@ class Trainer:
         self.interrupt.use_group(self.world)
         # 2. the output directory: rank 0 locks it (one run per directory) and checks what it may hold, before
         # anything is written; then the checkpoint to resume, verified on all ranks, each hashing a share, and
-        # the run's lineage (checkpointer.py)
+        # the run's lineage (checkpointer.py); then the thread count and --deterministic, and the run's first
+        # writes (train.log, config.yaml)
         self.lock = None
         notes = broadcast_from_main(self._claim_output_dir)
         rundir.check_shared(self.out, self.lock)  # collective: every rank sees rank 0's lock
@@ -84,7 +85,7 @@ class Trainer:
             cfg.save(self.out / ckpt.CONFIG)
             if t.resume is not None:
                 rundir.truncate_logs(self.out, self.checkpointer.resume_step)
-        # 3. identical initial weights on every rank (FSDP2 shards from the full init; DDP would broadcast).
+        # 3. the seed (the same initial weights on every rank: FSDP2 shards the full init), the task, its data
         set_seed(t.seed)
         with self.accelerator.main_process_first():  # rank 0 writes the demo data once; the others then read it
             self.task = build_task(cfg)
@@ -95,7 +96,8 @@ class Trainer:
         if t.eval_every != 0:
             self.task.check_eval_data()
         # 4. model -> activation checkpointing (inside build_model; with `--grad-ckpt auto` the planner's, made on
-        # rank 0 from a fake-tensor trace and broadcast) -> pretrained weights -> sharding
+        # rank 0 from a fake-tensor trace and broadcast) -> the sharded face head beside it -> pretrained weights
+        # -> the checkpoint's reshard route -> regional torch.compile -> FSDP2 sharding
         model = self.task.build_model()
         self.memory_plan = autoplan.choose(cfg, self.plan, dataset.num_classes, self.accelerator.device)
         if self.memory_plan is not None:
@@ -131,7 +133,8 @@ class Trainer:
                               f"than --grad-accum {t.grad_accum}; lower it or set --max-steps")
         self.total_steps = t.max_steps or (t.epochs or 1) * per_epoch
         # 7. one prepare (DDP wrap / DeepSpeed engine; the sharded head is stepped with the optimizer); the
-        # scheduler computes LRs, engine.set_lrs applies them (the head takes the schedule's multiplier)
+        # scheduler computes LRs, engine.set_lrs applies them (the head takes the schedule's multiplier); then the
+        # check of what is really active, and the EMA
         self.model, self.optimizer = self.engine.prepare(model, optimizer, self.head)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.engine.follow(self.scheduler)
@@ -145,7 +148,7 @@ class Trainer:
         # the EMA starts from the weights as built (pretrained included); a resume below replaces it
         self.ema = WeightEMA(self.engine, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
         # 8. resume: the checkpointer restores model, optimizer, RNG, head, EMA, schedule and, through
-        # load_state_dict, the loop's counters below
+        # load_state_dict, the loop's counters below; then the run's logger and trackers
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
