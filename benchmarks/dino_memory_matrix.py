@@ -53,7 +53,7 @@ ENGINES = {"single": {}, "fsdp2": {"fsdp": True}, "zero2": {"ds_config": "ds_con
 
 def _setup(row: dict):
     """estimate-memory's Setup for a row, through the CLI's own constructor."""
-    from vtrain.tools.memory_setup import setup_from
+    from vtrain.tools.estimate_memory import setup_from
 
     h, w = row["image_size"]
     flags = ENGINES[row["engine"]]

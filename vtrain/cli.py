@@ -29,9 +29,9 @@ from vtrain.errors import VtrainError
 from vtrain.exit import end as _exit
 from vtrain.exit import groups_left as _groups_left
 from vtrain.exit import leave_gloo_group as _leave_gloo_group
-from vtrain.guarded import ENVIRONMENT_ERRNOS
+from vtrain.io.guarded import ENVIRONMENT_ERRNOS
 from vtrain.launch import check_launch
-from vtrain.safeio import force_weights_only_env
+from vtrain.io.safeio import force_weights_only_env
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train large vision models on small GPUs (Accelerate + DeepSpeed ZeRO / FSDP2).")
@@ -317,8 +317,7 @@ def estimate_memory_cmd(
         print(tracing, file=sys.stderr)
     else:
         console.print(tracing, soft_wrap=True)
-    from vtrain.tools.memory import estimate_report  # after the checks above: a bad number is reported at once
-    from vtrain.tools.memory_setup import setup_from
+    from vtrain.tools.estimate_memory import estimate_report, setup_from  # after the checks: a bad number at once
 
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
@@ -390,7 +389,7 @@ def _run() -> int:
     # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
     # errors reach us instead of being drawn as a multi-line box. Typer vendors Click; from 0.28 its errors are
     # typer.TyperException (public), with Click's `exit_code`, `format_message()` and, for a usage error, `ctx`.
-    force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
+    force_weights_only_env()  # before any command reads a file a user handed us (io/safeio.py)
     if not console.is_terminal:  # --help by the one width rule (console.py): no option name or default cut
         import typer.rich_utils
 
@@ -415,7 +414,7 @@ def _run() -> int:
         return 2
     except OSError as e:
         # the environment (a full or read-only disk, a missing permission) at a write that no disk_op names
-        # (vtrain/guarded.py): still one line with the path, never a traceback; any other error stays one
+        # (vtrain/io/guarded.py): still one line with the path, never a traceback; any other error stays one
         if e.errno not in ENVIRONMENT_ERRNOS or isinstance(e, FileNotFoundError):
             raise
         print(f"error: {e.strerror}: {e.filename or 'a file'} (during `vtrain {' '.join(sys.argv[1:2])}`)",

@@ -104,7 +104,7 @@ def test_the_plans_engine_settings_are_read_by_the_engine_classes():
     ds_config.py, which fills the JSON they come from, and the trainer's record of them in run_info.json; the
     estimator reads the same names off its own Setup and the DeepSpeed JSON)."""
     allowed = {PACKAGE / "engine" / "plan.py", PACKAGE / "engine" / "ds_config.py", PACKAGE / "engine" / "trainer.py",
-               PACKAGE / "tools" / "memory_setup.py"}
+               PACKAGE / "tools" / "estimate_memory.py"}
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p, src in _sources().items()
              if p.parent.name != "engines" and p not in allowed
              for i, line in enumerate(src.splitlines(), 1) if ENGINE_FIELDS.search(line)]

@@ -71,7 +71,7 @@ def reseal(checkpoint: Path) -> None:
     """Recompute a checkpoint's manifest after a test changed its files on purpose (as a user editing it, or
     someone handing over a doctored checkpoint, would), so that what is tested is not the checksum."""
     from vtrain.engine import checkpoint as ckpt
-    from vtrain.files import digest_share
+    from vtrain.io.files import digest_share
 
     manifest = json.loads((checkpoint / ckpt.COMPLETE).read_text())
     manifest["files"] = digest_share(checkpoint, ckpt.payload_files(checkpoint))

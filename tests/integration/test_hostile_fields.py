@@ -135,7 +135,7 @@ class Ctx:
         RNG states and DeepSpeed's optimizer states hold), then reseal `step`."""
         from accelerate.utils import load as accelerate_load
 
-        from vtrain.safeio import _deepspeed_globals
+        from vtrain.io.safeio import _deepspeed_globals
 
         with torch.serialization.safe_globals(_deepspeed_globals()):
             data = accelerate_load(file)
@@ -561,7 +561,7 @@ def test_scheduler_state_admits_exactly_what_vtrain_writes():
     torch that adds a key fails here, not at a user's resume."""
     from vtrain.config import OptimConfig
     from vtrain.engine.optim import build_scheduler
-    from vtrain.records import Record, scheduler_state
+    from vtrain.io.records import Record, scheduler_state
 
     opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(2))]},
                              {"params": [torch.nn.Parameter(torch.zeros(3))]}], lr=1e-3)
@@ -582,7 +582,7 @@ def test_scheduler_state_admits_exactly_what_vtrain_writes():
     ("a: " + "[" * 15 + "]" * 15 + "\n", True),
 ])
 def test_read_yaml_bounds_depth_and_aliases(text, accepted, tmp_path):
-    from vtrain.config_values import read_yaml
+    from vtrain.config.values import read_yaml
     from vtrain.errors import ConfigError
 
     (tmp_path / "c.yaml").write_text(text)

@@ -40,7 +40,7 @@ from tests.helpers.scaffold import case_table, copied_run, served, shown, verdic
 from tests.helpers.files import (
     face_run, FilesCli, leftovers as _leftovers, private_mounts_work as _private_mounts_work, ROOT_USER, TRAIN,
     verifying as _verifying)
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import rundir
 
@@ -527,7 +527,7 @@ def test_mount_points_are_read_from_the_kernels_list(tmp_path):
         pytest.skip("no private mount namespace here for a real bind mount")
     (tmp_path / "a b").mkdir()
     (tmp_path / "t").mkdir()
-    code = ("import sys; from vtrain import guarded; p = sys.argv[1]; "
+    code = ("import sys; from vtrain.io import guarded; p = sys.argv[1]; "
             "print(guarded.is_mount(p), guarded.is_mount(p + '/..'), p in guarded.mount_points())")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", 'mount --make-rprivate / && mount --bind "$1" "$2" && '
                            'exec "$0" -c "$3" "$2"', sys.executable, str(tmp_path / "a b"), str(tmp_path / "t"),

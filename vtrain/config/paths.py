@@ -17,9 +17,9 @@ from vtrain.config.fields import fail
 from vtrain.config.model import ModelConfig
 from vtrain.config.parallel import ParallelConfig
 from vtrain.config.train import TrainConfig
-from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
+from vtrain.config.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
 from vtrain.errors import ConfigError
-from vtrain.files import cache_root, directory_problem
+from vtrain.io.files import cache_root, directory_problem
 
 
 def check_model(m: ModelConfig) -> None:

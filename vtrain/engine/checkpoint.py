@@ -9,8 +9,8 @@ the files its manifest lists: a directory without a manifest, another run's chec
 inside a checkpoint is never deleted. Only real folders are this run's checkpoints: a `step_<N>` that is a
 symbolic link or a mount point (a bind mount of an archive or another run) is never read as one, pruned or deleted,
 and a listed file that is a link or a mount point (or lies below one) is left alone when pruning and fails
-verification (vtrain/guarded.py). Every field of the JSON files is checked when
-read (vtrain/records.py). Rank 0 alone renames, prunes and writes shared files; every rank writes its own shards
+verification (vtrain/io/guarded.py). Every field of the JSON files is checked when
+read (vtrain/io/records.py). Rank 0 alone renames, prunes and writes shared files; every rank writes its own shards
 (DeepSpeed, FSDP2) into the same temp dir (a shared filesystem across nodes is assumed).
 
 This module is the format: every layout name (below), the manifest, `TrainState` (train_state.json), verify, prune
@@ -28,10 +28,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.errors import VtrainError
-from vtrain.files import digest, fsync_dir, write_json_atomic
-from vtrain.records import (MAX_COUNT, Record, RecordError, categories, ema_state, read_json, scaler_state,
+from vtrain.io.files import digest, fsync_dir, write_json_atomic
+from vtrain.io.records import (MAX_COUNT, Record, RecordError, categories, ema_state, read_json, scaler_state,
                             scheduler_state)
 
 _STEP_RE = re.compile(r"^step_(\d+)$")

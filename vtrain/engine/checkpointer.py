@@ -10,7 +10,7 @@ Every method here that says "Collective" runs the same collectives and barriers 
 that order is part of the protocol (a rank that skips or reorders one hangs or desyncs the run), so a change here
 is a change to every rank at once. Hardening, and where later hardening goes:
 - symlinked checkpoints are never pruned or deleted: checkpoint.prune / checkpoint.remove (the format), through
-  vtrain/guarded.py;
+  vtrain/io/guarded.py;
 - a full disk (or a read-only or vanished folder) during a save: `_stage` runs every write into the staging
   folder through `guarded.Writes`, so a rank whose write failed still joins every collective of the save; the
   ranks then agree on the outcome, rank 0 removes the staging folder and every rank stops with one error line
@@ -30,7 +30,7 @@ from typing import Any, Callable, Protocol
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.config import RunConfig, load_run_config
 from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
 from vtrain.engine import checkpoint as ckpt
@@ -41,7 +41,7 @@ from vtrain.engine.head_shard import ShardedHead
 from vtrain.engine.engines.base import Engine
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
-from vtrain.files import digest_share
+from vtrain.io.files import digest_share
 
 
 class Stateful(Protocol):

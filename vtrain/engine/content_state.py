@@ -128,7 +128,7 @@ def expect_rng_state(file: Path, flag: str) -> None:
     """Accelerate's random_states_<rank>.pkl, checked before Accelerate reads it: its load_state restores the
     states inside `except Exception: "Could not load random states"`, so a malformed file would let a resumed run
     continue silently with other random numbers. Read weights-only (Accelerate's loader, which admits numpy's
-    array types; a refused pickle is one line, safeio.py); the torch CPU state against the live generator's
+    array types; a refused pickle is one line, io/safeio.py); the torch CPU state against the live generator's
     (`Want`), then each state is restored into a fresh generator of its kind (Python's `random.Random`, numpy's
     `RandomState`, a `torch.Generator`), which checks it without touching this process's own."""
     import random

@@ -20,7 +20,7 @@ from typing import Any
 
 from vtrain import recompute
 from vtrain.config import RunConfig
-from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, enabled, explicit_16bit, read_json, zero_settings
+from vtrain.config.ds_json import DS_CONFIG_UNREADABLE, check_structure, enabled, explicit_16bit, read_json, zero_settings
 from vtrain.errors import ConfigError
 
 

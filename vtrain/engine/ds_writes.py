@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.errors import VtrainError
 
 # the engine's methods that write, patched on the instance for one save (checked by tests/integration/test_ranks.py against the

@@ -39,7 +39,7 @@ from vtrain.engine.plan import resolve_plan
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict, read_state_dict
 from vtrain.models.checkpointing import recompute_summary
-from vtrain.safeio import enforce_weights_only
+from vtrain.io.safeio import enforce_weights_only
 from vtrain.tasks import build_task
 
 
@@ -50,7 +50,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, interrupt: GracefulInterrupt | None = None) -> None:
         self.cfg = cfg
         t = cfg.train
-        # no file read on this run's behalf may run code (safeio.py); DeepSpeed's own types: by its engine class
+        # no file read on this run's behalf may run code (io/safeio.py); DeepSpeed's own types: by its engine class
         enforce_weights_only(deepspeed=False)
         self.interrupt = interrupt or GracefulInterrupt().install()
         self.faults = faults.injected()  # the tests' fault injection, read once (faults.py)

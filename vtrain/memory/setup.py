@@ -1,6 +1,6 @@
 """What a memory estimate or plan is about: one training configuration (`Setup`), and the Setup of a run config.
 
-`vtrain estimate-memory` builds one from flags (tools/memory_setup.py, the CLI boundary); a training run with
+`vtrain estimate-memory` builds one from flags (tools/estimate_memory.py, the CLI boundary); a training run with
 `--grad-ckpt auto` builds one from its own config and launch plan (engine/autoplan.py) through `run_setup`, so both
 read a run config the same way."""
 

@@ -14,7 +14,7 @@ from vtrain.models.checkpointing import backbone_units, set_recompute
 from vtrain.models.formats import convert_hint, detect, unwrap
 from vtrain.models.swin_attention import use_shared_bias_attention
 from vtrain.presets import METRIC_PRESETS
-from vtrain.safeio import load_published
+from vtrain.io.safeio import load_published
 
 
 def build_backbone(preset: str, image_size: int, drop_path: float | None = None) -> nn.Module:

@@ -34,19 +34,19 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from vtrain import guarded
-from vtrain import records
+from vtrain.io import guarded
+from vtrain.io import records
 from vtrain.config import build_config
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import content, rundir
 from vtrain.errors import VtrainError, shown
-from vtrain.files import digest_share
+from vtrain.io.files import digest_share
 from vtrain.models.dino.adapters.detrex import from_detrex
 from vtrain.models.dino.adapters.idea import from_idea
 from vtrain.models.dino.adapters.mmdet import from_mmdet
 from vtrain.models.formats import FORMATS, AdapterError, Converted, check_tensors, detect, non_state_dict, unwrap
 from vtrain.models.metric_adapters.arcface import from_arcface_vit
-from vtrain.safeio import load_published
+from vtrain.io.safeio import load_published
 from vtrain.tasks import build_model
 
 Adapter = Callable[[dict[str, torch.Tensor], Any], Converted]

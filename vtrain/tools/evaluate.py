@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING, DataConfig, RunConfig, load_run_config
 from vtrain.config.paths import check_data
 from vtrain.data.ijb import find_ijb

@@ -26,9 +26,9 @@ from accelerate.utils import DeepSpeedPlugin
 from safetensors.torch import load_file
 from torch import nn
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.config import OptimConfig
-from vtrain.ds_json import bucket_sizes, zero_settings
+from vtrain.config.ds_json import bucket_sizes, zero_settings
 from vtrain.engine import checkpoint as ckpt
 from vtrain.engine import engine_layout
 from vtrain.engine import precision as prec
@@ -39,7 +39,7 @@ from vtrain.engine.engines.base import Engine, average_buffers, free_port, persi
 from vtrain.engine.engines.ds_internals import TESTED, check_version, zero_norm_with_head
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
-from vtrain.safeio import enforce_weights_only
+from vtrain.io.safeio import enforce_weights_only
 
 class DeepSpeedEngine(Engine):
     layout = engine_layout.DEEPSPEED
@@ -65,7 +65,7 @@ class DeepSpeedEngine(Engine):
 
     @classmethod
     def launch_environment(cls, plan: Plan) -> None:
-        enforce_weights_only()  # DeepSpeed's checkpoint types admitted (safeio.py): only a DeepSpeed run imports it
+        enforce_weights_only()  # DeepSpeed's checkpoint types admitted (io/safeio.py): only a DeepSpeed run imports it
         announce_builds()  # DeepSpeed's C++ ops compiled on first use: a line before and after (ds_ops.py)
         quiet_other_ranks()  # torch's and DeepSpeed's start-up warnings once, from rank 0
         if "RANK" not in os.environ:

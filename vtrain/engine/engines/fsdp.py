@@ -27,7 +27,7 @@ from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.head_shard import ShardedHead
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError
-from vtrain.safeio import check_dcp, dcp_refusals
+from vtrain.io.safeio import check_dcp, dcp_refusals
 
 
 class FSDP2Engine(Engine):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vtrain.errors import ConfigError, shown
-from vtrain.records import loads
+from vtrain.io.records import loads
 
 DEEPSPEED_BUCKET = 5e8  # DeepSpeed's own reduce/allgather bucket default, in elements (docs/memory_ckpt.md §2.2)
 DS_CONFIG_UNREADABLE = "--ds-config: {path} is not valid JSON ({error})"  # read_json's message for --ds-config
