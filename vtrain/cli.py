@@ -122,7 +122,7 @@ def evaluate(
     from vtrain.tools.evaluate import evaluate_checkpoint
 
     if best:
-        from vtrain.engine.best import best_checkpoint
+        from vtrain.engine.checkpoint.best import best_checkpoint
 
         checkpoint = best_checkpoint(checkpoint, "--checkpoint")
         console.print(f"best checkpoint: {checkpoint}", soft_wrap=True)

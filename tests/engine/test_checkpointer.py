@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vtrain.config import resolve
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import engine_layout
-from vtrain.engine.checkpointer import Checkpointer
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint import layout as engine_layout
+from vtrain.engine.checkpoint.checkpointer import Checkpointer
 from vtrain.engine.optim import build_scheduler
 from vtrain.engine.plan import Plan
 from vtrain.errors import VtrainError

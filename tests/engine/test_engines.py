@@ -16,8 +16,9 @@ import torch
 
 from tests.helpers.paths import ROOT
 from vtrain.config import ParallelConfig, RunConfig, TrainConfig
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import engine_layout, faults
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine import faults
+from vtrain.engine.checkpoint import layout as engine_layout
 from vtrain.engine.accelerator import build_accelerator
 from vtrain.engine.engines import deepspeed as ds_engine
 from vtrain.engine.engines import ds_internals
@@ -167,7 +168,7 @@ def test_faults_are_parsed_once_and_mean_what_they_say(monkeypatch):
 def test_the_loop_and_the_save_read_no_environment():
     """The variables are read once, by faults.injected() at start-up: the loop and the checkpointer's save only
     call the parsed object."""
-    for name in ("trainer.py", "checkpointer.py"):
+    for name in ("trainer.py", "checkpoint/checkpointer.py"):
         src = (PACKAGE / "engine" / name).read_text()
         assert "os.environ" not in src and "getenv" not in src
         assert "faults.injected()" in src

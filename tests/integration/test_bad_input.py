@@ -391,7 +391,7 @@ def test_config_only_keys_are_exactly_those_without_a_flag():
 
 @pytest.mark.parametrize("build,needles", [pytest.param(b, n, id=i) for i, b, n in CASES])
 def test_bad_input_is_one_line_and_damages_nothing(build, needles, prior, tmp_path):
-    from vtrain.engine.checkpoint import complete_checkpoints
+    from vtrain.engine.checkpoint.format import complete_checkpoints
 
     c = Ctx(prior, tmp_path / "inputs", tmp_path / "out")
     c.inputs.mkdir()

@@ -1,6 +1,6 @@
 """Checkpoint content (a junk head file and the resume of another preset included): every tensor vtrain reads
 from a checkpoint or a weights file is checked for name, shape, dtype, class range and finite values before it is
-used (engine/content.py); a checkpoint of another model is one line saying both models; consolidation writes every
+used (engine/checkpoint/content.py); a checkpoint of another model is one line saying both models; consolidation writes every
 weight set whole.
 
 Every row of CASES doctors a copy of one of two small runs built once for the module (a metric run with a sharded face

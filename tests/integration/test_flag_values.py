@@ -162,7 +162,7 @@ case("consolidate-backbone-only-dino", _dino_labelled_copy, "--backbone-only", "
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_refused_in_one_line_with_bounded_memory(name, prior, tmp_path):
-    from vtrain.engine.checkpoint import complete_checkpoints
+    from vtrain.engine.checkpoint.format import complete_checkpoints
 
     build, needles = CASES[name]
     c = Ctx(prior, tmp_path / "inputs", tmp_path / "out")

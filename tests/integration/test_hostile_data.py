@@ -390,7 +390,7 @@ def _(c):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_hostile_data(name, prior, tmp_path, record_property):
-    from vtrain.engine.checkpoint import complete_checkpoints
+    from vtrain.engine.checkpoint.format import complete_checkpoints
 
     spec = CASES[name]
     c = Ctx(prior, tmp_path / "inputs", tmp_path / "out")

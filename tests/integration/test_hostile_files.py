@@ -30,7 +30,7 @@ import pytest
 
 from tests.helpers.cli import reseal, tree_hash
 from tests.helpers.scaffold import case_table, copied_run, served, shown, verdict
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from tests.helpers.files import (
     face_run, FilesCli, leftovers as _leftovers, private_mounts_work as _private_mounts_work, ROOT_USER, TRAIN,
     verifying as _verifying)

@@ -41,7 +41,7 @@ from tests.helpers.files import (
     face_run, FilesCli, leftovers as _leftovers, private_mounts_work as _private_mounts_work, ROOT_USER, TRAIN,
     verifying as _verifying)
 from vtrain.io import guarded
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine import rundir
 
 

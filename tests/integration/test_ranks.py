@@ -32,7 +32,7 @@ import torch
 from tests.helpers.cli import env
 from tests.helpers.paths import ROOT
 from tests.helpers.ports import free_port as _port
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine import ds_writes
 from vtrain.errors import VtrainError
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from tests.helpers.cli import env, ok, reseal
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import running
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.rundir import LOCK, STALE_AFTER_S, OutputDirLock
 from vtrain.errors import VtrainError
 from tests.helpers.fork_server import Cli

@@ -23,7 +23,7 @@ from rich.table import Table
 from vtrain.io import guarded
 from vtrain.console import console, hms, show_progress
 from vtrain.dist import gather_objects
-from vtrain.engine.checkpoint import TENSORBOARD
+from vtrain.engine.checkpoint.format import TENSORBOARD
 from vtrain.errors import VtrainError
 from vtrain.io.files import write_json_atomic
 

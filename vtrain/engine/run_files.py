@@ -21,8 +21,8 @@ import yaml
 
 from vtrain.io import guarded
 from vtrain.config import RunConfig
-from vtrain.engine import best as best_record
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import best as best_record
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.errors import VtrainError
 from vtrain.io.records import Record, RecordError, read_json
 

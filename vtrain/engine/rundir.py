@@ -42,7 +42,7 @@ import psutil
 
 from vtrain.io import guarded
 from vtrain.dist import AgreedError, broadcast_from_main, gather_objects, is_main
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.run_files import (CONSOLE_LOGS, EVAL_LOG, HEARTBEAT_S, LOCK, LOG_FILES, MARKER, MARKER_FORMAT,
                                      RUN_FILES, STALE_AFTER_S, TRAIN_LOG, check_links, check_owned, check_place,
                                      earlier_run, foreign_files, is_marker, lock_holder, read_lock)

@@ -23,9 +23,10 @@ from vtrain.console import console, header, log_to
 from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import SkipBadSamples
 from vtrain.dist import agreed, all_mean_, broadcast_from_main, gather_objects, leave
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import autoplan, content, determinism, faults, head_shard, pretrained, rundir
-from vtrain.engine.checkpointer import Checkpointer
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine import autoplan, determinism, faults, head_shard, pretrained, rundir
+from vtrain.engine.checkpoint import content
+from vtrain.engine.checkpoint.checkpointer import Checkpointer
 from vtrain.engine.compile import compile_regions
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
@@ -64,7 +65,7 @@ class Trainer:
         self.interrupt.use_group(self.world)
         # 2. the output directory: rank 0 locks it (one run per directory) and checks what it may hold, before
         # anything is written; then the checkpoint to resume, verified on all ranks, each hashing a share, and
-        # the run's lineage (checkpointer.py); then the thread count and --deterministic, and the run's first
+        # the run's lineage (checkpoint/checkpointer.py); then the thread count and --deterministic, and the run's first
         # writes (train.log, config.yaml)
         self.lock = None
         notes = broadcast_from_main(self._claim_output_dir)
@@ -176,7 +177,7 @@ class Trainer:
         self.consecutive_nonfinite = state["consecutive_nonfinite"]
 
     def _load_weights(self, model: torch.nn.Module) -> str:
-        """--pretrained (not on a resume) or --resume-weights-only, checked first (engine/content.py): a pretrained
+        """--pretrained (not on a resume) or --resume-weights-only, checked first (checkpoint/content.py): a pretrained
         file's values (its loader matches names and shapes), a weights-only file against this model, head included.
         Returns the note for the log."""
         cfg, file = self.cfg, self.cfg.train.resume_weights_only
@@ -430,7 +431,7 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def save(self) -> Path:
-        """Checkpoint the current step on all ranks (checkpointer.py), never a model gone non-finite. Collective."""
+        """Checkpoint the current step on all ranks (checkpoint/checkpointer.py), never a non-finite one. Collective."""
         self._check_parameters()
         return self.checkpointer.save(self.logger.info)
 

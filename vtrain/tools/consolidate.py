@@ -32,9 +32,9 @@ import torch
 
 from vtrain.io import guarded
 from vtrain.config import load_run_config
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content
-from vtrain.engine.best import best_checkpoint
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint import content
+from vtrain.engine.checkpoint.best import best_checkpoint
 from vtrain.engine.ema import weights_file
 from vtrain.engine.head_shard import full_weight
 from vtrain.errors import VtrainError

@@ -14,10 +14,10 @@ The steps, each a one-line error when it fails, nothing written before the last:
    tensor the adapter neither maps nor lists as known-unused is refused, naming it.
 6. The model of the preset is built on the meta device and every one of its tensors must be filled with its shape
    and a dtype of its kind; only then is each copied (`fill`), in the model's dtype, and checked finite.
-7. The run directory is staged beside OUT, checked as its readers check it (engine/content.py: the model its
+7. The run directory is staged beside OUT, checked as its readers check it (engine/checkpoint/content.py: the model its
    config.yaml and categories.json describe, every tensor finite) and renamed into place: run marker, config.yaml,
    and checkpoints/step_0 (model.safetensors, config.yaml, train_state.json, categories.json for detection) under a
-   verified manifest (engine/checkpoint.py).
+   verified manifest (engine/checkpoint/format.py).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from safetensors.torch import save_file
 from vtrain.io import guarded
 from vtrain.io import records
 from vtrain.config import build_config
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content, rundir
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine import rundir
+from vtrain.engine.checkpoint import content
 from vtrain.errors import VtrainError, shown
 from vtrain.io.files import digest_share
 from vtrain.models.dino.adapters.detrex import from_detrex

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from vtrain.io import guarded
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.errors import VtrainError
 from vtrain.tools.evaluate import load_model
 

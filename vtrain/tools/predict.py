@@ -39,7 +39,7 @@ from vtrain.data.coco import collate, load_coco, normalize, test_transforms
 from vtrain.data.faces import load_image
 from vtrain.data.images import decode_rgb
 from vtrain.data.workers import worker_options
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.logging import console
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_detections

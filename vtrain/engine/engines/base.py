@@ -28,8 +28,8 @@ from torch import nn
 from vtrain.config import OptimConfig
 from vtrain.dist import all_mean_, all_true
 from vtrain.engine import active as act
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import engine_layout
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint import layout as engine_layout
 from vtrain.engine import precision as prec
 from vtrain.engine.head_shard import ShardedHead, lr_factor
 from vtrain.engine.plan import Plan
@@ -59,7 +59,7 @@ def average_buffers(module: nn.Module) -> None:
 
 class Engine:
     layout: engine_layout.EngineLayout = engine_layout.DDP
-    """What this engine keeps of its own in a checkpoint (engine/engine_layout.py)."""
+    """What this engine keeps of its own in a checkpoint (engine/checkpoint/layout.py)."""
 
     def __init__(self, plan: Plan, accelerator: Accelerator) -> None:
         self.plan, self.accelerator = plan, accelerator
@@ -271,7 +271,7 @@ class Engine:
 
     def load(self, path: Path) -> None:
         """Model + optimizer + this rank's RNG. The files vtrain can check before they are read were checked by the
-        checkpointer (its RNG state, Accelerate's optimizer file: engine/content_state.py)."""
+        checkpointer (its RNG state, Accelerate's optimizer file: engine/checkpoint/content_state.py)."""
         self.accelerator.load_state(str(path / ckpt.ACCELERATE))
 
     def needs_reshard(self, saved_engine: str, saved_world: int) -> bool:

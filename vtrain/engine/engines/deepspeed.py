@@ -29,8 +29,8 @@ from torch import nn
 from vtrain.io import guarded
 from vtrain.config import OptimConfig
 from vtrain.config.ds_json import bucket_sizes, zero_settings
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import engine_layout
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint import layout as engine_layout
 from vtrain.engine import precision as prec
 from vtrain.engine.compile import compiled_blocks
 from vtrain.engine.ds_ops import announce_builds, quiet_other_ranks

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content_state, engine_layout
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint import content_state, layout as engine_layout
 from vtrain.engine.engines.base import Engine, average_buffers, free_port
 from vtrain.engine.fsdp import apply_fsdp2
 from vtrain.engine.head_shard import ShardedHead

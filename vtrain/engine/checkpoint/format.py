@@ -14,7 +14,7 @@ read (vtrain/io/records.py). Rank 0 alone renames, prunes and writes shared file
 (DeepSpeed, FSDP2) into the same temp dir (a shared filesystem across nodes is assumed).
 
 This module is the format: every layout name (below), the manifest, `TrainState` (train_state.json), verify, prune
-and find. Which rank writes and reads what, and when, is engine/checkpointer.py's.
+and find. Which rank writes and reads what, and when, is engine/checkpoint/checkpointer.py's.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ DS_TAG = "pytorch_model"  # the DeepSpeed checkpoint tag Accelerate's save_state
 FSDP = "fsdp"  # FSDP2: model and optimizer as a torch distributed checkpoint
 HEAD = "head"  # --head-parallel sharded: one file per rank's class range (engine/head_shard.py)
 CATEGORIES = "categories.json"  # detection: class ids and names in label order, for `vtrain predict`
-BEST = "best.json"  # --keep-best, in CHECKPOINTS beside the step dirs (engine/best.py)
+BEST = "best.json"  # --keep-best, in CHECKPOINTS beside the step dirs (engine/checkpoint/best.py)
 UNIVERSAL = "universal"  # <output>/universal/step_<N>/: a ZeRO checkpoint converted for another world size
 TENSORBOARD = "tensorboard"  # <output>/tensorboard/: event files (--report-to tensorboard)
 ENGINES = ("single", "ddp", "fsdp", "deepspeed")  # TrainState.engine: the parallel engine that wrote it

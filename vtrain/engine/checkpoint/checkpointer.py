@@ -1,6 +1,6 @@
 """The checkpoint protocol of a training run: what to resume, the write sequence and the read sequence.
 
-checkpoint.py is the format (layout names, manifest, verify, prune, find); this module decides which rank does
+format.py is the format (layout names, manifest, verify, prune, find); this module decides which rank does
 what, and when. As torchtitan's `components/checkpoint.py` (CheckpointManager), the Trainer builds the run and hands
 over what a checkpoint holds: the engine (model, optimizer, per-rank RNG), the sharded head, the EMA, the scheduler,
 and the loop itself, whose `state_dict()` / `load_state_dict()` is its part of `train_state.json`
@@ -16,7 +16,7 @@ is a change to every rank at once. Hardening, and where later hardening goes:
   ranks then agree on the outcome, rank 0 removes the staging folder and every rank stops with one error line
   naming the path and the operation (`_abandon`). The manifest and the rename (`_commit`) are agreed the same way;
 - validating every tensor read on resume: `load` is the one read sequence; `_check_and_read` checks the recorded
-  model and every file of tensors (engine/content.py), Accelerate's optimizer file and this rank's RNG state
+  model and every file of tensors (engine/checkpoint/content.py), Accelerate's optimizer file and this rank's RNG state
   before the engine reads any, all ranks agreeing; what vtrain does not parse before loading (DeepSpeed's
   optimizer partitions, DCP's values) is checked once loaded (`_check_optimizer_state`).
 """
@@ -33,9 +33,10 @@ from safetensors.torch import save_file
 from vtrain.io import guarded
 from vtrain.config import RunConfig, load_run_config
 from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content, content_state, engine_layout, faults, resume_settings
-from vtrain.engine.best import BestKeeper
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine import faults
+from vtrain.engine.checkpoint import content, content_state, layout as engine_layout, resume_settings
+from vtrain.engine.checkpoint.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.head_shard import ShardedHead
 from vtrain.engine.engines.base import Engine
@@ -212,7 +213,7 @@ class Checkpointer:
         engine reads any; the head rows and the EMA are read here. No collective: `load` agrees on the outcome."""
         classes = self.dataset.num_classes
         self._same_model(path, classes)
-        layout = self.engine.layout  # one process is DDP of one: the same layout (engine_layout.py)
+        layout = self.engine.layout  # one process is DDP of one: the same layout (layout.py)
         if engine_layout.OF_ENGINE[state.engine] is not layout:
             raise VtrainError(f"--resume: {path} was saved with {state.engine}, this run uses {self.plan.kind}")
         # the optimizer state is per parameter group, and --layer-decay changes the groups: say so before the

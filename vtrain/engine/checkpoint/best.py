@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.errors import VtrainError
 from vtrain.io.records import Record, RecordError, read_json
 
