@@ -5,6 +5,7 @@ The whole-run behaviours (crash mid-save, pruning next to a user's files, 2-proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,14 +107,13 @@ def _run(out: Path, resume: str | None = None, seed: int = 0, keep_last: int = 3
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     plan = Plan(kind="single", world_size=1, precision="no")
     checkpointer = Checkpointer(cfg, plan, FakeAccelerator())
-    notes = checkpointer.choose()
     engine = FakeEngine(model, optimizer)
-    checkpointer.route(engine)
+    point, notes = checkpointer.choose(engine)
     loop = Loop()
     checkpointer.attach(loop=loop, engine=engine, scheduler=scheduler, head=None, ema=None,
                         dataset=SimpleNamespace(num_classes=CLASSES))
     return SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, ckpt=checkpointer,
-                           engine=engine, loop=loop, notes=notes)
+                           engine=engine, loop=loop, point=point, notes=notes)
 
 
 def _train(r, steps: int) -> None:
@@ -131,7 +131,7 @@ def _train(r, steps: int) -> None:
 
 def test_save_verify_and_load_on_one_process(tmp_path):
     first = _run(tmp_path / "run")
-    assert first.ckpt.resume_from is None and first.ckpt.run_id
+    assert first.point is None and first.ckpt.run_id
     _train(first, 2)
     saved = first.ckpt.save(lambda line: None)
     assert saved == ckpt.final_path(tmp_path / "run", 2) and ckpt.verify(saved) is None
@@ -145,10 +145,13 @@ def test_save_verify_and_load_on_one_process(tmp_path):
 
     # a new run resuming it (another seed: other weights until the load)
     second = _run(tmp_path / "run", resume="auto", seed=1)
-    assert second.ckpt.resume_from == saved and second.ckpt.resume_step == 2
-    assert second.ckpt.run_id == first.ckpt.run_id  # the lineage is kept
-    assert second.ckpt.saved_config().to_dict() == first.cfg.to_dict()
-    notes = second.ckpt.load()
+    point = second.point
+    assert (point.path, point.step, point.reshard) == (saved, 2, False)
+    assert point.run_id == second.ckpt.run_id == first.ckpt.run_id  # the lineage is kept
+    assert point.config.to_dict() == first.cfg.to_dict()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        point.path = tmp_path  # type: ignore[misc]
+    notes = second.ckpt.load(point)
     assert second.engine.loaded == [saved] and not notes
     assert (second.loop.step, second.loop.consumed) == (2, 4)
     assert second.scheduler.state_dict()["last_epoch"] == first.scheduler.state_dict()["last_epoch"]
@@ -170,7 +173,7 @@ def test_auto_skips_a_damaged_newest_and_pruning_keeps_the_lineage(tmp_path):
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     resumed = _run(tmp_path / "run", resume="auto")
-    assert resumed.ckpt.resume_from == ckpt.final_path(tmp_path / "run", 2)
+    assert resumed.point.path == ckpt.final_path(tmp_path / "run", 2)
     assert len(resumed.notes) == 1 and "skipped the damaged checkpoint step_3" in resumed.notes[0]
     with pytest.raises(VtrainError, match="damaged checkpoint"):
         _run(tmp_path / "run", resume=str(newest))
@@ -183,6 +186,6 @@ def test_a_checkpoint_of_another_class_count_is_refused_before_the_engine_reads_
     other = _run(tmp_path / "run", resume=str(saved))
     other.ckpt.dataset = SimpleNamespace(num_classes=CLASSES + 1)
     with pytest.raises(VtrainError, match="--resume"):
-        other.ckpt.load()
+        other.ckpt.load(other.point)
     assert other.engine.loaded == []  # refused before the engine read anything
     assert json.loads((saved / ckpt.TRAIN_STATE).read_text())["step"] == 1

@@ -12,14 +12,14 @@ from vtrain.tools import build_order_doc as doc
 # step -> calls that must lie between its comment and the next step's, in this order (the `->` chains of the comments)
 CALLS = {
     1: ["resolve_plan(", "build_accelerator(", "build_engine("],
-    2: ["self._claim_output_dir", "self.checkpointer.choose()", "determinism.apply(", "cfg.save("],
+    2: ["self._claim_output_dir", "self.checkpointer.choose(self.engine)", "determinism.apply(", "cfg.save("],
     3: ["set_seed(", "build_task(", "train_dataset()", "check_eval_data()"],
-    4: ["self.task.build_model()", "autoplan.apply(", "head_shard.build(", "self._load_weights(",
-        "self.checkpointer.route(", "compile_regions(", "self.engine.shard("],
+    4: ["self.task.build_model()", "autoplan.apply(", "head_shard.build(", "self._load_weights(", "compile_regions(",
+        "self.engine.shard("],
     5: ["build_optimizer("],
     6: ["ShardedEpochSampler(", "MicroBatches("],
     7: ["self.engine.prepare(", "build_scheduler(", "self.engine.verify(", "WeightEMA("],
-    8: ["self.checkpointer.attach(", "self.checkpointer.load()", "RunLogger("],
+    8: ["self.checkpointer.attach(", "self.checkpointer.load(self.resume)", "RunLogger("],
 }
 
 

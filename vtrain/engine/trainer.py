@@ -64,28 +64,29 @@ class Trainer:
         self.is_main = self.accelerator.is_main_process
         self.interrupt.use_group(self.world)
         # 2. the output directory: rank 0 locks it (one run per directory) and checks what it may hold, before
-        # anything is written; then the checkpoint to resume, verified on all ranks, each hashing a share, and
-        # the run's lineage (checkpoint/checkpointer.py); then the thread count and --deterministic, and the run's first
-        # writes (train.log, config.yaml)
+        # anything is written; then the checkpoint to resume (one ResumePoint, verified on all ranks, each hashing
+        # a share; its reshard route set) and the run's lineage (checkpoint/checkpointer.py); then the thread count
+        # and --deterministic, and the run's first writes (train.log, config.yaml)
         self.lock = None
         notes = broadcast_from_main(self._claim_output_dir)
         rundir.check_shared(self.out, self.lock)  # collective: every rank sees rank 0's lock
         self.checkpointer = Checkpointer(cfg, self.plan, self.accelerator)
-        self.logger_notes: list[str] = notes + self.checkpointer.choose()
-        self.resumed_from = self.checkpointer.resume_from
+        self.resume, chosen = self.checkpointer.choose(self.engine)  # also the engine's reshard route, before prepare
+        self.logger_notes: list[str] = notes + chosen
+        self.resumed_from = self.resume.path if self.resume is not None else None
         # a detector fine-tuned from a vtrain checkpoint takes its model options before the config is recorded
         inherited = pretrained.inherit_model_options(cfg)
         if inherited:
             self.logger_notes.append(inherited)
         # the thread count and --deterministic (a resume keeps its checkpoint's), before anything is computed and
         # before config.yaml records them (engine/determinism.py)
-        self.logger_notes += determinism.keep_from_checkpoint(cfg, self.checkpointer.saved_config())
+        self.logger_notes += determinism.keep_from_checkpoint(cfg, self.resume.config if self.resume else None)
         self.logger_notes += determinism.apply(cfg, self.accelerator.device)
         if self.is_main:  # the run's first writes: a command refused before them changes nothing it was given
             log_to(self.out / rundir.TRAIN_LOG, header("train"))  # the console from the start, then as it goes
             cfg.save(self.out / ckpt.CONFIG)
             if t.resume is not None:
-                rundir.truncate_logs(self.out, self.checkpointer.resume_step)
+                rundir.truncate_logs(self.out, self.resume.step if self.resume else 0)
         # 3. the seed (the same initial weights on every rank: FSDP2 shards the full init), the task, its data
         set_seed(t.seed)
         with self.accelerator.main_process_first():  # rank 0 writes the demo data once; the others then read it
@@ -98,7 +99,7 @@ class Trainer:
             self.task.check_eval_data()
         # 4. model -> activation checkpointing (inside build_model; with `--grad-ckpt auto` the planner's, made on
         # rank 0 from a fake-tensor trace and broadcast) -> the sharded face head beside it -> pretrained weights
-        # -> the checkpoint's reshard route -> regional torch.compile -> FSDP2 sharding
+        # -> regional torch.compile -> FSDP2 sharding
         model = self.task.build_model()
         self.memory_plan = autoplan.choose(cfg, self.plan, dataset.num_classes, self.accelerator.device)
         if self.memory_plan is not None:
@@ -108,9 +109,6 @@ class Trainer:
         # --head-parallel sharded: this rank's class shard, built beside (never inside) the model the engine wraps
         self.head = head_shard.build(cfg, dataset, self.rank, self.world, self.accelerator.device, self.engine)
         self.pretrained_msg = agreed(lambda: self._load_weights(model))  # every rank reads the file: one line
-        # A ZeRO checkpoint of another world size is loaded in DeepSpeed's universal format, which must be
-        # configured before the engine is prepared (below).
-        self.checkpointer.route(self.engine)
         # regional torch.compile (engine/compile.py): after activation checkpointing, before FSDP2 shards the same
         # blocks, so each compiled forward runs inside its FSDP unit (torchtitan's order)
         self.logger_notes += compile_regions(model, t, self.accelerator.device, self.task.input_sizes_vary)
@@ -148,8 +146,8 @@ class Trainer:
         self.engine.verify(self.active)
         # the EMA starts from the weights as built (pretrained included); a resume below replaces it
         self.ema = WeightEMA(self.engine, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
-        # 8. resume: the checkpointer restores model, optimizer, RNG, head, EMA, schedule and, through
-        # load_state_dict, the loop's counters below; then the run's logger and trackers
+        # 8. resume: the checkpointer loads the ResumePoint once: model, optimizer, RNG, head, EMA, schedule and,
+        # through load_state_dict, the loop's counters below; then the run's logger and trackers
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
@@ -158,8 +156,8 @@ class Trainer:
         self.bad_files: list[str] = []
         self.checkpointer.attach(loop=self, engine=self.engine, scheduler=self.scheduler, head=self.head,
                                  ema=self.ema, dataset=self.dataset)
-        if self.resumed_from is not None:
-            self.logger_notes += self.checkpointer.load()
+        if self.resume is not None:
+            self.logger_notes += self.checkpointer.load(self.resume)
         self.logger = RunLogger(self.out, self.is_main, self.total_steps, self.step, *start_trackers(
             self.accelerator, t.report_to, self.out, self.checkpointer.run_id, cfg.to_dict()))
         self._wrote_run_info = False
