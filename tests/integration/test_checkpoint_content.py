@@ -365,9 +365,10 @@ def test_checkpoint_content(name, prior, tmp_path):
     rc, out, err, _ = prior.cli.run(argv)
     verdict(rc, out, err, spec.needles, spec.check is not None, shown(rc, out, err))
     if spec.check is None:
-        # a new run writes its run marker and config.yaml first, as every run does; no checkpoint, staged or complete
-        left = [p for p in c.out.rglob("*") if (p.is_file() and p not in (c.out / "new" / "config.yaml",
-                                                                        c.out / "new" / rundir.MARKER))
+        # a new run writes its run marker, config.yaml and its console's log first, as every run does; no checkpoint,
+        # staged or complete
+        first = (c.out / "new" / "config.yaml", c.out / "new" / rundir.MARKER, c.out / "new" / rundir.TRAIN_LOG)
+        left = [p for p in c.out.rglob("*") if (p.is_file() and p not in first)
                 or p.name.startswith(".tmp-step_")]
         assert not left, f"a failed command left {left}"
     assert _snapshot(c.inputs) == before, "a command changed a checkpoint or a file it was given"
