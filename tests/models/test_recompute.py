@@ -1,5 +1,5 @@
 """`--grad-ckpt`: the grammar (vtrain/recompute.py), the units of built models and their application
-(models/checkpointing.py), and that every unit, full or selective, gives today's loss and gradients bit for bit."""
+(models/recompute_units.py), and that every unit, full or selective, gives today's loss and gradients bit for bit."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from vtrain.config import build_config
 from vtrain.engine.ds_config import fill_ds_config
 from vtrain.engine.fsdp import shard_units
 from vtrain.errors import ConfigError, VtrainError
-from vtrain.models.checkpointing import (active_recompute, apply_recompute, apply_spec, recompute_summary,
+from vtrain.models.recompute_units import (active_recompute, apply_recompute, apply_spec, recompute_summary,
                                          recompute_units)
 from vtrain.models.dino import DINO
 from vtrain.models.metric import MetricModel

@@ -39,7 +39,7 @@ from vtrain.engine.parallel import build_engine
 from vtrain.engine.plan import resolve_plan
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict, read_state_dict
-from vtrain.models.checkpointing import recompute_summary
+from vtrain.models.recompute_units import recompute_summary
 from vtrain.io.safeio import enforce_weights_only
 from vtrain.tasks import build_task
 

@@ -28,7 +28,7 @@ class Setup:
     grad_ckpt: tuple[str, ...] = ()  # --grad-ckpt items (vtrain/recompute.py), e.g. ("backbone", "encoder:0-2")
     ffn_recompute: bool = True  # DINO encoder FFNs remake their hidden layer in backward (ModelConfig.ffn_recompute)
     # the planner's per-unit choice instead of the model-wide flag: exactly these units remake their FFN hidden
-    # layer (models/checkpointing.set_hidden_recompute); None: ffn_recompute decides
+    # layer (models/recompute_units.set_hidden_recompute); None: ffn_recompute decides
     ffn_units: tuple[str, ...] | None = None
     ffn_chunk: int = ModelConfig.ffn_chunk  # DINO encoder FFNs over this many tokens at a time (ModelConfig.ffn_chunk)
     zero: int = 0  # 0 = DDP, 1-3 = ZeRO stage

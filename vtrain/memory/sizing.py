@@ -23,7 +23,7 @@ import torch
 from vtrain.memory.head import head_state_bytes, shard_rows
 from vtrain.memory.setup import Setup
 from vtrain.memory.trace import build_model, trace_step
-from vtrain.models.checkpointing import outer_blocks
+from vtrain.models.recompute_units import outer_blocks
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces + NCCL: an allowance, not traced
