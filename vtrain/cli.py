@@ -22,7 +22,7 @@ from vtrain import recompute
 from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, Option, config_from_flags, options  # noqa: F401
 from vtrain.config.paths import check_exists, check_demo_batch
 from vtrain.console import console, end_log, header, log_to, plain, start_log
-from vtrain.engine.ds_config import check_ds_config
+from vtrain.engine.engines.ds_config import check_ds_config
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.engine.run_files import check_new_run, eval_log
 from vtrain.errors import VtrainError

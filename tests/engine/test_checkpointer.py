@@ -20,7 +20,7 @@ from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.checkpoint import layout as engine_layout
 from vtrain.engine.checkpoint.checkpointer import Checkpointer
 from vtrain.engine.optim import build_scheduler
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
 from vtrain.tasks import build_model
 

@@ -141,7 +141,7 @@ def test_estimate_reads_a_ds_config_as_the_training_run_does(name, tmp_path):
     """One reading of a DeepSpeed JSON (config/ds_json.py): estimate-memory's Setup and the launch plan agree on the
     stage, the offloading and DeepSpeed's own 16-bit mode, for the shipped files and a full-bf16 variant."""
     from tests.helpers.paths import ROOT
-    from vtrain.engine.ds_config import fill_ds_config
+    from vtrain.engine.engines.ds_config import fill_ds_config
     from vtrain.tools.estimate_memory import setup_from
 
     raw = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())

@@ -12,8 +12,8 @@ import torch
 from tests.helpers.batches import dino_batch as _batch
 from vtrain import recompute
 from vtrain.config import build_config
-from vtrain.engine.ds_config import fill_ds_config
-from vtrain.engine.fsdp import shard_units
+from vtrain.engine.engines.ds_config import fill_ds_config
+from vtrain.engine.engines.fsdp_units import shard_units
 from vtrain.errors import ConfigError, VtrainError
 from vtrain.models.recompute_units import (active_recompute, apply_recompute, apply_spec, recompute_summary,
                                          recompute_units)
@@ -131,7 +131,7 @@ def test_units_have_stable_names_and_line_up_with_fsdp_shard_units():
     assert list(recompute_units(metric)) == ["backbone.block0", "backbone.block1"]  # ViT: one unit per block
     for model in (dino, resnet, metric):
         blocks = [b for bs in recompute_units(model).values() for b in bs]
-        # each checkpointed block is one FSDP2 unit (engine/fsdp.py): its hooks gather it before the recompute
+        # each checkpointed block is one FSDP2 unit (engine/engines/fsdp_units.py): its hooks gather it before the recompute
         assert blocks == [u for u in shard_units(model) if any(u is b for b in blocks)]
         assert len(blocks) == len({id(b) for b in blocks})
 

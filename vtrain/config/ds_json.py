@@ -1,7 +1,7 @@
 """A user's DeepSpeed JSON, read and understood without DeepSpeed, in one place: reading the file, checking its
 structure (what config validation needs before start-up) and what its ZeRO and precision sections say (for the
 launch plan and for `estimate-memory`). Filling the values vtrain owns into it is the engine's job
-(engine/ds_config.py), at launch."""
+(engine/engines/ds_config.py), at launch."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def check_data(d: DataConfig) -> None:
 
 def check_parallel(p: ParallelConfig) -> None:
     """The DeepSpeed JSON's own structure too (a pure function of the file, no DeepSpeed import), so a typo there
-    is one line before start-up; the values vtrain owns are filled in at launch (engine/plan.py)."""
+    is one line before start-up; the values vtrain owns are filled in at launch (engine/engines/plan.py)."""
     if p.ds_config is None:
         return
     if not Path(p.ds_config).is_file():

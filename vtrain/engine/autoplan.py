@@ -16,8 +16,8 @@ from torch import nn
 from vtrain import recompute
 from vtrain.config import RunConfig
 from vtrain.dist import broadcast_from_main
-from vtrain.engine.parallel import engine_class
-from vtrain.engine.plan import Plan as LaunchPlan
+from vtrain.engine.engines.build import engine_class
+from vtrain.engine.engines.plan import Plan as LaunchPlan
 from vtrain.errors import VtrainError
 from vtrain.memory.planner import Plan, plan as make_plan
 from vtrain.memory.setup import Setup, run_setup

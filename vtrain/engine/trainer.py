@@ -34,9 +34,9 @@ from vtrain.engine.loader import MicroBatches, skip_hint
 from vtrain.engine.logging import (RunLogger, StatsWindow, StepTimer, describe_run, memory_gb, start_trackers,
                                    tracker_name, write_run_info)
 from vtrain.engine.optim import build_optimizer, build_scheduler, layer_decay_note
-from vtrain.engine.accelerator import build_accelerator
-from vtrain.engine.parallel import build_engine
-from vtrain.engine.plan import resolve_plan
+from vtrain.engine.engines.accelerator import build_accelerator
+from vtrain.engine.engines.build import build_engine
+from vtrain.engine.engines.plan import resolve_plan
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict, read_state_dict
 from vtrain.models.recompute_units import recompute_summary

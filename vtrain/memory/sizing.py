@@ -121,7 +121,7 @@ class ModelFacts:
     trainable: int
     frozen: int
     largest_layer: int  # most parameters held directly by one module (DeepSpeed's "largest layer")
-    largest_block: int  # most parameters in one FSDP2 unit (engine/fsdp.py shards the outermost blocks)
+    largest_block: int  # most parameters in one FSDP2 unit (engine/engines/fsdp_units.py shards the outermost blocks)
 
 
 def model_facts(setup: Setup) -> ModelFacts:

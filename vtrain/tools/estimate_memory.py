@@ -13,7 +13,7 @@ from typing import Any
 from vtrain import recompute
 from vtrain.config import NECK_NORMS, ModelConfig, build_config, check_neck_batch, read_yaml
 from vtrain.config.ds_json import bucket_sizes, explicit_16bit, read_json, zero_settings
-from vtrain.engine.plan import resolve_precision
+from vtrain.engine.engines.plan import resolve_precision
 from vtrain.errors import VtrainError
 from vtrain.memory.planner import Plan, plan as make_plan
 from vtrain.memory.setup import Setup, run_setup

@@ -41,7 +41,7 @@ from vtrain.engine.checkpoint.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.head_shard import ShardedHead
 from vtrain.engine.engines.base import Engine
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
 from vtrain.io.files import digest_share
 

@@ -2,10 +2,10 @@
 
 DeepSpeed owns backward (it divides by the accumulation count), the step (its own clipping, from the filled
 `gradient_clipping`), precision (its `torch_autocast` mode, or its full bf16/fp16 modes) and its checkpoint files
-(through engine/ds_writes.py). Under ZeRO-3 each rank holds a flat partition of every parameter (`p.ds_tensor`).
+(through engine/engines/ds_writes.py). Under ZeRO-3 each rank holds a flat partition of every parameter (`p.ds_tensor`).
 
 vtrain relies on DeepSpeed internals in a few places: the ZeRO optimizer's norm functions (ds_internals.py: one
-global clip over backbone and sharded head), the engine's checkpoint writes (engine/ds_writes.py), ZeRO-3's
+global clip over backbone and sharded head), the engine's checkpoint writes (engine/engines/ds_writes.py), ZeRO-3's
 persistent parameters (the EMA's swap) and the universal checkpoint converter. `check_installed` refuses, in one
 line at start-up, a DeepSpeed outside the range they were tested on (ds_internals.TESTED, pyproject.toml's range).
 """
@@ -34,10 +34,10 @@ from vtrain.engine.checkpoint import layout as engine_layout
 from vtrain.engine import precision as prec
 from vtrain.engine.compile import compiled_blocks
 from vtrain.engine.ds_ops import announce_builds, quiet_other_ranks
-from vtrain.engine.ds_writes import guarded_save
+from vtrain.engine.engines.ds_writes import guarded_save
 from vtrain.engine.engines.base import Engine, average_buffers, free_port, persistent_buffers
 from vtrain.engine.engines.ds_internals import TESTED, check_version, zero_norm_with_head
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
 from vtrain.io.safeio import enforce_weights_only
 
