@@ -53,7 +53,7 @@ ENGINES = {"single": {}, "fsdp2": {"fsdp": True}, "zero2": {"ds_config": "ds_con
 
 def _setup(row: dict):
     """estimate-memory's Setup for a row, through the CLI's own constructor."""
-    from vtrain.tools.memory_setup import setup_from
+    from vtrain.tools.estimate_memory import setup_from
 
     h, w = row["image_size"]
     flags = ENGINES[row["engine"]]
@@ -82,9 +82,9 @@ def child(row: dict) -> dict:
     from vtrain.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
     from vtrain.memory.trace import build_model, profiled_peak, step_inputs
     from vtrain.engine.optim import build_optimizer
-    from vtrain.engine.accelerator import build_accelerator
-    from vtrain.engine.parallel import build_engine
-    from vtrain.engine.plan import resolve_plan
+    from vtrain.engine.engines.accelerator import build_accelerator
+    from vtrain.engine.engines.build import build_engine
+    from vtrain.engine.engines.plan import resolve_plan
     from vtrain.models.dino.msda import auto_impl
 
     setup = _setup(row)

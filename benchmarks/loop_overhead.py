@@ -82,7 +82,7 @@ def run_bare(task: str, flags: list[str], warmup: int, steps: int, compile_block
     from vtrain.config import build_config
     from vtrain.engine.compile import apply_compile
     from vtrain.engine.optim import build_optimizer
-    from vtrain.engine.plan import resolve_plan
+    from vtrain.engine.engines.plan import resolve_plan
     from vtrain.engine.precision import autocast
     from vtrain.tasks import build_task
 

@@ -127,11 +127,11 @@ def child(row: dict) -> dict:
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     prof.start()  # before anything is built: every storage of the run is seen
-    from vtrain.engine.accelerator import build_accelerator
+    from vtrain.engine.engines.accelerator import build_accelerator
     from vtrain.engine.head_shard import ShardedHead
     from vtrain.engine.optim import build_optimizer
-    from vtrain.engine.parallel import build_engine
-    from vtrain.engine.plan import resolve_plan
+    from vtrain.engine.engines.build import build_engine
+    from vtrain.engine.engines.plan import resolve_plan
     from vtrain.memory.trace import build_model, step_inputs
     from vtrain.models.dino.msda import auto_impl
 

@@ -23,7 +23,7 @@ from vtrain.cli_rules import path, text, user_error
 from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, Option, config_from_flags, options  # noqa: F401
 from vtrain.config.paths import check_exists, check_demo_batch
 from vtrain.console import console, end_log, header, log_to, plain, start_log
-from vtrain.engine.ds_config import check_ds_config
+from vtrain.engine.engines.ds_config import check_ds_config
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
 from vtrain.engine.run_files import check_new_run, eval_log
 from vtrain.errors import VtrainError
@@ -31,7 +31,7 @@ from vtrain.exit import end as _exit
 from vtrain.exit import groups_left as _groups_left
 from vtrain.exit import leave_gloo_group as _leave_gloo_group
 from vtrain.launch import check_launch
-from vtrain.safeio import force_weights_only_env
+from vtrain.io.safeio import force_weights_only_env
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train large vision models on small GPUs (Accelerate + DeepSpeed ZeRO / FSDP2).")
@@ -130,7 +130,7 @@ def evaluate(
     from vtrain.tools.evaluate import evaluate_checkpoint
 
     if best:
-        from vtrain.engine.best import best_checkpoint
+        from vtrain.engine.checkpoint.best import best_checkpoint
 
         checkpoint = best_checkpoint(checkpoint, "--checkpoint")
         console.print(f"best checkpoint: {checkpoint}", soft_wrap=True)
@@ -363,8 +363,7 @@ def estimate_memory_cmd(
         print(tracing, file=sys.stderr)
     else:
         console.print(tracing, soft_wrap=True)
-    from vtrain.tools.memory import estimate_report  # after the checks above: a bad number is reported at once
-    from vtrain.tools.memory_setup import setup_from
+    from vtrain.tools.estimate_memory import estimate_report, setup_from  # after the checks: a bad number at once
 
     setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
                        precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
@@ -436,7 +435,7 @@ def _run() -> int:
     # as well as our own VtrainError from anywhere in the core. Click runs in non-standalone mode so that its
     # errors reach us instead of being drawn as a multi-line box. Typer vendors Click; from 0.28 its errors are
     # typer.TyperException (public), with Click's `exit_code`, `format_message()` and, for a usage error, `ctx`.
-    force_weights_only_env()  # before any command reads a file a user handed us (safeio.py)
+    force_weights_only_env()  # before any command reads a file a user handed us (io/safeio.py)
     if not console.is_terminal:  # --help by the one width rule (console.py): no option name or default cut
         import typer.rich_utils
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from vtrain.errors import VtrainError
-from vtrain.guarded import ENVIRONMENT_ERRNOS
+from vtrain.io.guarded import ENVIRONMENT_ERRNOS
 
 
 def text(value: str) -> str:
@@ -31,7 +31,7 @@ def user_error(e: BaseException) -> str | None:
     """The one line `vtrain` prints for `e` when it is a user error, ending the command with exit 2 (Click's exit
     code for its own): a VtrainError from anywhere in the core, Click's usage errors (an unknown option, `--seed
     abc`), or an environment error (a full or read-only disk, a missing permission) at a write that no disk_op
-    names (vtrain/guarded.py); None for anything else, which stays a traceback (a bug)."""
+    names (vtrain/io/guarded.py); None for anything else, which stays a traceback (a bug)."""
     if isinstance(e, VtrainError):
         return f"error: {e}"
     if isinstance(e, typer.TyperException):  # Click's own: an unknown option, `--seed abc`

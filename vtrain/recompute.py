@@ -1,7 +1,7 @@
 """The `--grad-ckpt` language: which recompute units to checkpoint, and how (docs/recompute.md).
 
 One module owns the grammar, the part names and the parsing; it imports nothing of vtrain or torch, so the config
-validates a value with it, the models resolve it against their units (models/checkpointing.py), the tasks and the
+validates a value with it, the models resolve it against their units (models/recompute_units.py), the tasks and the
 memory estimator read the part names from it, and the CLI prints `HELP`.
 
     SPEC := "" | none | auto | ITEM ("," ITEM)*

@@ -4,7 +4,7 @@ import pytest
 
 from tests.helpers.paths import ROOT
 from vtrain.config import build_config, read_yaml
-from vtrain.engine.ds_config import fill_ds_config
+from vtrain.engine.engines.ds_config import fill_ds_config
 from vtrain.errors import ConfigError
 
 

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from tests.helpers.ports import free_port as _port
 from vtrain import dist as comm
-from vtrain.engine.checkpoint import CheckpointError
+from vtrain.engine.checkpoint.format import CheckpointError
 from vtrain.errors import VtrainError
 
 

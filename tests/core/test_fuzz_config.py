@@ -24,8 +24,8 @@ from vtrain.config import config_from_flags
 from vtrain.config import build_config, options, read_yaml
 from vtrain.config.paths import check_parallel
 from vtrain.config.parallel import ParallelConfig
-from vtrain.engine.ds_config import fill_ds_config
-from vtrain.tools.memory_setup import _ds_fields
+from vtrain.engine.engines.ds_config import fill_ds_config
+from vtrain.tools.estimate_memory import _ds_fields
 
 pytestmark = pytest.mark.fuzz
 

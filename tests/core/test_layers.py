@@ -20,8 +20,7 @@ PACKAGE = ROOT / "vtrain"
 # low to high; a module may import its own layer and the ones below it. The first part of the dotted name after
 # `vtrain.` picks the layer ("" is the package's own __init__).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"", "errors", "presets", "ds_json", "safeio", "files", "config_values", "dist", "recompute", "guarded",
-              "records", "console", "launch", "exit", "preset_counts"}),
+    ("base", {"", "errors", "presets", "io", "dist", "recompute", "console", "launch", "exit", "preset_counts"}),
     ("config", {"config"}),
     ("data, models, eval", {"data", "models", "eval"}),
     ("tasks", {"tasks"}),

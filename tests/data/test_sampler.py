@@ -124,3 +124,27 @@ def test_webface42m_size_keeps_four_bytes_per_own_sample():
     own = n // (world * 128) * 128
     assert len(mine) == own and mine.nbytes == 4 * own and first[0] == (0, int(mine[0]))
     assert kept <= 4 * own + (1 << 20), kept  # the own share and at most 1 MiB besides
+
+
+def test_ranks_see_disjoint_samples_covering_the_usable_epoch():
+    s = [ShardedEpochSampler(103, 4, rank=r, world_size=3, seed=7) for r in range(3)]
+    idx = [[i for _, i in x] for x in s]
+    assert all(len(i) == 32 for i in idx)  # 103 // 12 = 8 batches of 4 per rank
+    assert not set(idx[0]) & set(idx[1]) and not set(idx[1]) & set(idx[2])
+    assert len(set().union(*idx)) == 96
+
+
+def test_position_resume_and_epoch_reshuffle():
+    s = ShardedEpochSampler(50, 5, seed=1)
+    full = list(s)
+    s.set_position(0, 3)
+    assert list(s) == full[15:]
+    s.set_position(1, 0)
+    assert [i for _, i in s] != [i for _, i in full] and all(e == 1 for e, _ in s)
+
+
+def test_accumulation_split_sees_the_same_samples_per_step():
+    # batch 4 x accum 2 and batch 8 x accum 1 put the same samples in each optimizer step on each rank
+    a = ShardedEpochSampler(64, 4, rank=1, world_size=2, seed=3)
+    b = ShardedEpochSampler(64, 8, rank=1, world_size=2, seed=3)
+    assert [i for _, i in a][:16] == [i for _, i in b][:16]

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from tests.helpers.cli import metrics, ok, vtrain
 from vtrain.config import RunConfig, TrainConfig
 from vtrain.engine import determinism
-from vtrain.engine.checkpoint import complete_checkpoints
+from vtrain.engine.checkpoint.format import complete_checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""One class per parallel engine (vtrain/engine/engines/), chosen once from the launch plan (engine/parallel.py):
+"""One class per parallel engine (vtrain/engine/engines/), chosen once from the launch plan (engine/engines/build.py):
 which class each configuration gets, that no other module tests which engine runs, that the DeepSpeed internals
 vtrain patches are refused in one line on an untested DeepSpeed, and that the tests' fault injection is read once.
 The engines' behaviour itself is covered by the 2-process runs (test_distributed.py, test_face_head_train.py)."""
@@ -16,16 +16,17 @@ import torch
 
 from tests.helpers.paths import ROOT
 from vtrain.config import ParallelConfig, RunConfig, TrainConfig
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import engine_layout, faults
-from vtrain.engine.accelerator import build_accelerator
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine import faults
+from vtrain.engine.checkpoint import layout as engine_layout
+from vtrain.engine.engines.accelerator import build_accelerator
 from vtrain.engine.engines import deepspeed as ds_engine
 from vtrain.engine.engines import ds_internals
 from vtrain.engine.engines.ddp import DDPEngine, SingleProcessEngine
 from vtrain.engine.engines.deepspeed import DeepSpeedEngine
 from vtrain.engine.engines.fsdp import FSDP2Engine
-from vtrain.engine.parallel import ENGINES, build_engine, engine_class
-from vtrain.engine.plan import resolve_plan
+from vtrain.engine.engines.build import ENGINES, build_engine, engine_class
+from vtrain.engine.engines.plan import resolve_plan
 from vtrain.errors import VtrainError
 
 PACKAGE = ROOT / "vtrain"
@@ -60,7 +61,7 @@ def test_a_run_chooses_its_engine_once():
              if re.search(r"\bbuild_engine\(", line) and not line.lstrip().startswith("def ")]
     assert calls == ["engine/trainer.py"]
     lookups = [f"{p.relative_to(PACKAGE)}" for p, src in _sources().items() if "ENGINES[" in src]
-    assert lookups == ["engine/parallel.py"]
+    assert lookups == ["engine/engines/build.py"]
 
 
 def test_the_tables_name_the_same_engines():
@@ -84,7 +85,7 @@ def _names_an_engine(node: ast.AST) -> bool:
 def test_no_module_tests_which_engine_runs():
     """Engine knowledge is a method of the engine: nowhere in the package (the engine classes included, which know
     what they are) is a value compared with an engine's name (`kind == "deepspeed"`, `in ("fsdp", "deepspeed")`);
-    the plan's kind picks the class in engine/parallel.py by a table lookup."""
+    the plan's kind picks the class in engine/engines/build.py by a table lookup."""
     found = []
     for path, src in _sources().items():
         for node in ast.walk(ast.parse(src)):
@@ -103,8 +104,9 @@ def test_the_plans_engine_settings_are_read_by_the_engine_classes():
     """A plan's engine-specific fields are read by the engine classes only (besides plan.py, which resolves them,
     ds_config.py, which fills the JSON they come from, and the trainer's record of them in run_info.json; the
     estimator reads the same names off its own Setup and the DeepSpeed JSON)."""
-    allowed = {PACKAGE / "engine" / "plan.py", PACKAGE / "engine" / "ds_config.py", PACKAGE / "engine" / "trainer.py",
-               PACKAGE / "tools" / "memory_setup.py"}
+    allowed = {PACKAGE / "engine" / "engines" / "plan.py", PACKAGE / "engine" / "engines" / "ds_config.py",
+               PACKAGE / "engine" / "trainer.py",
+               PACKAGE / "tools" / "estimate_memory.py"}
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p, src in _sources().items()
              if p.parent.name != "engines" and p not in allowed
              for i, line in enumerate(src.splitlines(), 1) if ENGINE_FIELDS.search(line)]
@@ -167,7 +169,7 @@ def test_faults_are_parsed_once_and_mean_what_they_say(monkeypatch):
 def test_the_loop_and_the_save_read_no_environment():
     """The variables are read once, by faults.injected() at start-up: the loop and the checkpointer's save only
     call the parsed object."""
-    for name in ("trainer.py", "checkpointer.py"):
+    for name in ("trainer.py", "checkpoint/checkpointer.py"):
         src = (PACKAGE / "engine" / name).read_text()
         assert "os.environ" not in src and "getenv" not in src
         assert "faults.injected()" in src

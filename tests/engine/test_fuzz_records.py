@@ -2,7 +2,7 @@
 `train_state.json`, the `COMPLETE` manifest, `checkpoints/best.json` and `categories.json`, each a valid record with
 hostile edits (values of other types, huge and non-finite numbers, nesting 100,000 deep, keys deleted or added)
 or with its bytes truncated or flipped. Each is read by the reader every command uses (records.py through
-engine/checkpoint.py and engine/best.py), in this process, and must meet the contract (tests/helpers/fuzz.py):
+engine/checkpoint/format.py and engine/checkpoint/best.py), in this process, and must meet the contract (tests/helpers/fuzz.py):
 the record, or one `error:` line by the CLI's own error mapping."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.helpers.fuzz import contract, corrupt, dumps, mutate
 from vtrain.engine import best
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 
 pytestmark = pytest.mark.fuzz
 

@@ -101,8 +101,8 @@ def weights_run(out: Path, cfg, tensors: dict[str, torch.Tensor], categories: li
     returns the checkpoint."""
     import uuid
 
-    from vtrain.engine import checkpoint as ckpt
-    from vtrain.files import digest_share
+    from vtrain.engine.checkpoint import format as ckpt
+    from vtrain.io.files import digest_share
 
     out.mkdir(parents=True)
     cfg.save(out / ckpt.CONFIG)

@@ -62,7 +62,7 @@ def run_info(run: Path) -> dict:
 def final_weights(run: Path) -> dict:
     from safetensors.torch import load_file
 
-    from vtrain.engine.checkpoint import complete_checkpoints
+    from vtrain.engine.checkpoint.format import complete_checkpoints
 
     return load_file(str(complete_checkpoints(run)[-1] / "model.safetensors"))
 
@@ -70,8 +70,8 @@ def final_weights(run: Path) -> dict:
 def reseal(checkpoint: Path) -> None:
     """Recompute a checkpoint's manifest after a test changed its files on purpose (as a user editing it, or
     someone handing over a doctored checkpoint, would), so that what is tested is not the checksum."""
-    from vtrain.engine import checkpoint as ckpt
-    from vtrain.files import digest_share
+    from vtrain.engine.checkpoint import format as ckpt
+    from vtrain.io.files import digest_share
 
     manifest = json.loads((checkpoint / ckpt.COMPLETE).read_text())
     manifest["files"] = digest_share(checkpoint, ckpt.payload_files(checkpoint))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vtrain.engine.engines.deepspeed import DeepSpeedEngine
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 
 
 class Refiner(nn.Module):

@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.helpers.cli import env
 from tests.helpers.fork_server import Cli
 from tests.helpers.paths import ROOT
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 
 TRAIN = ["--batch-size", "4", "--num-workers", "0", "--embedding-dim", "16", "--mixed-precision", "no",
          "--neck-norm", "ln"]

@@ -19,19 +19,14 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import ok, tree_hash, vtrain
+from tests.helpers.scaffold import shown, verdict
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
 
 def one_error_line(proc, *needles: str) -> str:
-    out = f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
-    assert proc.returncode != 0, out
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, out
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, out
-    for n in needles:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
-    return lines[0]
+    return verdict(proc.returncode, proc.stdout, proc.stderr, needles, False,
+                   shown(proc.returncode, proc.stdout, proc.stderr))
 
 
 @dataclass
@@ -396,7 +391,7 @@ def test_config_only_keys_are_exactly_those_without_a_flag():
 
 @pytest.mark.parametrize("build,needles", [pytest.param(b, n, id=i) for i, b, n in CASES])
 def test_bad_input_is_one_line_and_damages_nothing(build, needles, prior, tmp_path):
-    from vtrain.engine.checkpoint import complete_checkpoints
+    from vtrain.engine.checkpoint.format import complete_checkpoints
 
     c = Ctx(prior, tmp_path / "inputs", tmp_path / "out")
     c.inputs.mkdir()

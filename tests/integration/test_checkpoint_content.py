@@ -1,6 +1,6 @@
 """Checkpoint content (a junk head file and the resume of another preset included): every tensor vtrain reads
 from a checkpoint or a weights file is checked for name, shape, dtype, class range and finite values before it is
-used (engine/content.py); a checkpoint of another model is one line saying both models; consolidation writes every
+used (engine/checkpoint/content.py); a checkpoint of another model is one line saying both models; consolidation writes every
 weight set whole.
 
 Every row of CASES doctors a copy of one of two small runs built once for the module (a metric run with a sharded face
@@ -31,6 +31,7 @@ from tests.helpers.checkpoints import edit, METRIC, metric_and_dino, SHARD, snap
 from tests.helpers.cli import launch, reseal
 from tests.helpers.fork_server import Cli
 from tests.helpers.paths import ROOT
+from tests.helpers.scaffold import case_table, served, shown, verdict
 from vtrain.engine import rundir
 
 CLASSES, DIM = 4, 16  # the metric run: 4 identities, 16-d embeddings, one head shard with all 4 classes
@@ -53,12 +54,9 @@ class Prior:
 
 @pytest.fixture(scope="module")
 def prior(tmp_path_factory) -> Prior:
-    root = tmp_path_factory.mktemp("content")
-    (root / "logs").mkdir()
-    cli = Cli(root / "logs")
-    faces, coco, metric, dino = metric_and_dino(root, cli, CLASSES, held_out=3)
-    yield Prior(cli, faces, metric, dino, coco)
-    cli.close()
+    with served(tmp_path_factory, "content") as (root, cli):
+        faces, coco, metric, dino = metric_and_dino(root, cli, CLASSES, held_out=3)
+        yield Prior(cli, faces, metric, dino, coco)
 
 
 # ---- doctoring --------------------------------------------------------------------------------------------------
@@ -111,15 +109,7 @@ class Case:
     """An `ok` row: exit 0 expected, then this checks what was written."""
 
 
-CASES: dict[str, Case] = {}
-
-
-def case(name: str, *needles: str, check: Callable[[Ctx], None] | None = None):
-    def add(build):
-        assert name not in CASES
-        CASES[name] = Case(build, needles, check)
-        return build
-    return add
+CASES, case = case_table(Case)
 
 
 # ---- resume: the recorded model first, then every file read ------------------------------------------------------
@@ -373,23 +363,14 @@ def test_checkpoint_content(name, prior, tmp_path):
     argv = spec.build(c)
     before = _snapshot(c.inputs)
     rc, out, err, _ = prior.cli.run(argv)
-    shown = f"exit {rc}\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-5000:]}"
-    assert "Traceback" not in out + err, shown
-    if spec.check is not None:
-        assert rc == 0, shown
-        text = out + err
-    else:
-        lines = [line for line in err.splitlines() if line.startswith("error:")]
-        assert rc != 0 and len(lines) == 1, shown
-        text = lines[0]
+    verdict(rc, out, err, spec.needles, spec.check is not None, shown(rc, out, err))
+    if spec.check is None:
         # a new run writes its run marker, config.yaml and its console's log first, as every run does; no checkpoint,
         # staged or complete
         first = (c.out / "new" / "config.yaml", c.out / "new" / rundir.MARKER, c.out / "new" / rundir.TRAIN_LOG)
         left = [p for p in c.out.rglob("*") if (p.is_file() and p not in first)
                 or p.name.startswith(".tmp-step_")]
         assert not left, f"a failed command left {left}"
-    for n in spec.needles:
-        assert n in text, f"{n!r} not in {text[-2000:]!r}"
     assert _snapshot(c.inputs) == before, "a command changed a checkpoint or a file it was given"
     if spec.check is not None:
         spec.check(c)

@@ -17,7 +17,7 @@ from torch._dynamo.eval_frame import _get_total_cache_entry_count
 from torch._dynamo.utils import counters
 
 from tests.helpers.cli import launch, metrics, ok, run_info, vtrain
-from vtrain.engine.checkpoint import complete_checkpoints
+from vtrain.engine.checkpoint.format import complete_checkpoints
 from vtrain.engine.compile import _run_region, apply_compile, compile_groups, compiled_regions
 from vtrain.models.dino import DINO
 from vtrain.tasks.dino import DinoTask

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.cli import final_weights, launch, metrics, ok, run_info, vtrain
 from tests.helpers.paths import ROOT
-from vtrain.engine.checkpoint import complete_checkpoints, verify
+from vtrain.engine.checkpoint.format import complete_checkpoints, verify
 
 pytestmark = pytest.mark.slow
 

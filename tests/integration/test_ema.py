@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.cli import metrics, ok, vtrain
 from vtrain.config import build_config
-from vtrain.engine.checkpoint import complete_checkpoints
+from vtrain.engine.checkpoint.format import complete_checkpoints
 from vtrain.tools.consolidate import consolidate
 from vtrain.errors import ConfigError, VtrainError
 from vtrain.tools.evaluate import evaluate_checkpoint, load_model
@@ -165,7 +165,7 @@ def test_config_bounds(override, message):
 
 
 def test_best_metric_names_and_directions():
-    from vtrain.engine.best import parse, pick
+    from vtrain.engine.checkpoint.best import parse, pick
 
     assert parse("AP") == ("AP", "max") and parse("loss") == ("loss", "min") and parse("AP50:min") == ("AP50", "min")
     m = {"TAR@FAR=0.001": 0.5, "balanced_accuracy": 0.9, "AP": None, "TAR@FAR=0.001/resolvable": True}

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.cli import launch, metrics, ok, run_info, vtrain
-from vtrain.engine.checkpoint import complete_checkpoints
+from vtrain.engine.checkpoint.format import complete_checkpoints
 
 pytestmark = pytest.mark.slow
 

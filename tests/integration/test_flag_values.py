@@ -27,6 +27,7 @@ import yaml
 from tests.helpers.cli import reseal, tree_hash
 from tests.helpers.checkpoints import relabelled_as_dino
 from tests.helpers.fork_server import Cli, PEAK_LIMIT_MB
+from tests.helpers.scaffold import served, shown, verdict
 
 BASE = ["--num-workers", "0", "--embedding-dim", "16", "--mixed-precision", "no", "--schedule", "constant",
         "--warmup-steps", "0", "--log-every", "1", "--val-targets", ""]
@@ -44,17 +45,13 @@ class Prior:
 def prior(tmp_path_factory) -> Prior:
     from vtrain.data.demo_faces import write_identity_tree
 
-    root = tmp_path_factory.mktemp("flags")
-    write_identity_tree(root / "faces" / "train", 0, 3, 4, seed=3)
-    logs = root / "logs"
-    logs.mkdir()
-    cli = Cli(logs)
-    run = root / "run"
-    rc, out, err, _ = cli.run(["train", "--data", str(root / "faces"), "--output-dir", str(run), "--batch-size", "4",
-                               "--max-steps", "2", "--save-every", "1", "--lr", "1e-3", *BASE])
-    assert rc == 0, out[-3000:] + err[-3000:]
-    yield Prior(cli, root / "faces", run)
-    cli.close()
+    with served(tmp_path_factory, "flags") as (root, cli):
+        write_identity_tree(root / "faces" / "train", 0, 3, 4, seed=3)
+        run = root / "run"
+        rc, out, err, _ = cli.run(["train", "--data", str(root / "faces"), "--output-dir", str(run), "--batch-size",
+                                   "4", "--max-steps", "2", "--save-every", "1", "--lr", "1e-3", *BASE])
+        assert rc == 0, out[-3000:] + err[-3000:]
+        yield Prior(cli, root / "faces", run)
 
 
 @dataclass
@@ -165,7 +162,7 @@ case("consolidate-backbone-only-dino", _dino_labelled_copy, "--backbone-only", "
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_refused_in_one_line_with_bounded_memory(name, prior, tmp_path):
-    from vtrain.engine.checkpoint import complete_checkpoints
+    from vtrain.engine.checkpoint.format import complete_checkpoints
 
     build, needles = CASES[name]
     c = Ctx(prior, tmp_path / "inputs", tmp_path / "out")
@@ -173,15 +170,13 @@ def test_refused_in_one_line_with_bounded_memory(name, prior, tmp_path):
     argv = build(c)
     before = tree_hash(c.inputs), tree_hash(prior.run)
     rc, out, err, peak_mb = prior.cli.run(argv)
-    shown = f"exit {rc}, peak {peak_mb:.0f} MB\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-3000:]}"
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert rc == 2 and len(lines) == 1 and "Traceback" not in out + err, shown
-    assert len(lines[0]) < 400, lines[0][:1000]  # a value is cut for the message, never printed whole
-    for n in needles:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
+    show = shown(rc, out, err, peak_mb, err_tail=3000)
+    line = verdict(rc, out, err, needles, False, show)
+    assert rc == 2, show
+    assert len(line) < 400, line[:1000]  # a value is cut for the message, never printed whole
     assert (tree_hash(c.inputs), tree_hash(prior.run)) == before
     assert not complete_checkpoints(c.out) and not (c.out / "m.onnx").exists()
-    assert peak_mb < PEAK_LIMIT_MB, shown
+    assert peak_mb < PEAK_LIMIT_MB, show
 
 
 def test_every_case_is_distinct():

@@ -32,7 +32,7 @@ from tests.helpers.fork_server import Cli, PEAK_LIMIT_MB
 from tests.helpers.paths import FIXTURES
 from tests.helpers.peers import TINY
 from tests.helpers.torch_files import deflated_storage, lying_sizes
-from vtrain.safeio import load_published
+from vtrain.io.safeio import load_published
 
 # peer -> (fixture file, --from, the container of its state dict)
 PEERS = {"idea": ("idea/checkpoint.pth", "idea-dino", "model"),

@@ -32,6 +32,7 @@ import pytest
 from tests.helpers.cli import script_env, tree_hash
 from tests.helpers.paths import ROOT
 from tests.helpers.fork_server import Cli, PEAK_LIMIT_MB
+from tests.helpers.scaffold import case_table, served, shown, verdict
 
 TRAIN = ["--batch-size", "2", "--max-steps", "1", "--num-workers", "0", "--embedding-dim", "16",
          "--mixed-precision", "no", "--neck-norm", "ln"]
@@ -112,19 +113,15 @@ class Prior:
 
 @pytest.fixture(scope="module")
 def prior(tmp_path_factory) -> Prior:
-    root = tmp_path_factory.mktemp("hostile")
-    faces = root / "faces" / "train"
-    for i in range(2):
-        (faces / f"id_{i}").mkdir(parents=True)
-        for j in range(2):
-            (faces / f"id_{i}" / f"{j}.jpg").write_bytes(jpeg(60 * i + 20 * j))
-    logs = root / "logs"
-    logs.mkdir()
-    cli = Cli(logs)
-    rc, out, err, _ = cli.run(["train", "--data", str(root / "faces"), "--output-dir", str(root / "run"), *TRAIN])
-    assert rc == 0, out[-3000:] + err[-3000:]
-    yield Prior(cli, root / "faces", root / "run", png(20000, 20000))
-    cli.close()
+    with served(tmp_path_factory, "hostile") as (root, cli):
+        faces = root / "faces" / "train"
+        for i in range(2):
+            (faces / f"id_{i}").mkdir(parents=True)
+            for j in range(2):
+                (faces / f"id_{i}" / f"{j}.jpg").write_bytes(jpeg(60 * i + 20 * j))
+        rc, out, err, _ = cli.run(["train", "--data", str(root / "faces"), "--output-dir", str(root / "run"), *TRAIN])
+        assert rc == 0, out[-3000:] + err[-3000:]
+        yield Prior(cli, root / "faces", root / "run", png(20000, 20000))
 
 
 @dataclass
@@ -182,15 +179,7 @@ class Case:
     """Exit 0 expected (a skipped image named in the log), not an error."""
 
 
-CASES: dict[str, Case] = {}
-
-
-def case(name: str, *needles: str, absent: tuple[str, ...] = (), ok: bool = False):
-    def add(build):
-        assert name not in CASES
-        CASES[name] = Case(build, needles, absent, ok)
-        return build
-    return add
+CASES, case = case_table(Case)
 
 
 def _two(c: Ctx, first: bytes) -> Path:
@@ -401,7 +390,7 @@ def _(c):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_hostile_data(name, prior, tmp_path, record_property):
-    from vtrain.engine.checkpoint import complete_checkpoints
+    from vtrain.engine.checkpoint.format import complete_checkpoints
 
     spec = CASES[name]
     c = Ctx(prior, tmp_path / "inputs", tmp_path / "out")
@@ -417,23 +406,15 @@ def test_hostile_data(name, prior, tmp_path, record_property):
         if (c.inputs / "cache").exists():
             (c.inputs / "cache").chmod(0o755)
     record_property("peak_rss_mb", round(peak_mb))
-    shown = f"exit {rc}, peak {peak_mb:.0f} MB\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-5000:]}"
-    assert "Traceback" not in out + err, shown
-    if spec.ok:
-        assert rc == 0, shown
-        text = out + err
-    else:
-        lines = [line for line in err.splitlines() if line.startswith("error:")]
-        assert rc != 0 and len(lines) == 1, shown
-        text = lines[0]
+    show = shown(rc, out, err, peak_mb)
+    text = verdict(rc, out, err, spec.needles, spec.ok, show)
+    if not spec.ok:
         assert not complete_checkpoints(c.out), "a failed run left a checkpoint"
-    for n in spec.needles:
-        assert n in text, f"{n!r} not in {text[-2000:]!r}"
     for n in spec.absent:
         assert n not in text, f"{n!r} in {text!r}"
     after = tree_hash(c.inputs), tree_hash(prior.run), (c.inputs.parent / "decoy.bin").read_bytes()
     assert after == before, "a command changed files it was given, or files beside them"
-    assert peak_mb < PEAK_LIMIT_MB, shown
+    assert peak_mb < PEAK_LIMIT_MB, show
 
 
 def test_every_case_is_distinct():

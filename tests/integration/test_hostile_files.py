@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import reseal, tree_hash
-from vtrain.engine import checkpoint as ckpt
+from tests.helpers.scaffold import case_table, copied_run, served, shown, verdict
+from vtrain.engine.checkpoint import format as ckpt
 from tests.helpers.files import (
     face_run, FilesCli, leftovers as _leftovers, private_mounts_work as _private_mounts_work, ROOT_USER, TRAIN,
     verifying as _verifying)
@@ -47,12 +48,9 @@ class Prior:
 
 @pytest.fixture(scope="module")
 def prior(tmp_path_factory) -> Prior:
-    root = tmp_path_factory.mktemp("hostile_files")
-    (root / "logs").mkdir()
-    cli = FilesCli(root / "logs")
-    faces, run = face_run(root, cli)
-    yield Prior(cli, faces, run, ckpt.read_manifest(run / "checkpoints" / "step_2").run_id)
-    cli.close()
+    with served(tmp_path_factory, "hostile_files", FilesCli) as (root, cli):
+        faces, run = face_run(root, cli)
+        yield Prior(cli, faces, run, ckpt.read_manifest(run / "checkpoints" / "step_2").run_id)
 
 
 @dataclass
@@ -107,15 +105,7 @@ class Case:
     """An ok row that prunes: exactly these checkpoints of the run remain (each verifying)."""
 
 
-CASES: dict[str, Case] = {}
-
-
-def case(name: str, *needles: str, ok: bool = False, kept: tuple[str, ...] | None = None):
-    def add(build):
-        assert name not in CASES
-        CASES[name] = Case(build, needles, ok, kept)
-        return build
-    return add
+CASES, case = case_table(Case)
 
 
 # ---- §1 nothing outside the run is read as the run's, written or deleted ------------------------------------------
@@ -383,12 +373,8 @@ def _on_tmpfs(c: Ctx, free: int) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_hostile_files(name, prior, tmp_path):
     spec = CASES[name]
-    c = Ctx(prior, tmp_path / "run", tmp_path / "decoy", tmp_path / "out")
-    shutil.copytree(prior.run, c.run)
-    c.out.mkdir()
-    shutil.copytree(c.step(1), c.decoy / "archive" / "step_1")
+    c = Ctx(prior, *copied_run(prior.run, tmp_path))
     shutil.copy(c.step(2) / "model.safetensors", c.decoy / "weights.safetensors")
-    (c.decoy / "bytes.bin").write_bytes(os.urandom(4096))
     argv = spec.build(c)
     if (c.options.get("read_only") or c.options.get("tmpfs")) and not ROOT_USER:
         if "tmpfs" in c.options:
@@ -410,24 +396,16 @@ def test_hostile_files(name, prior, tmp_path):
         c.run.chmod(0o755)
         if c.run.parent.name == "tmpfs":
             subprocess.run(["umount", str(c.run.parent)], check=True)
-    shown = f"exit {rc}\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-5000:]}"
-    assert "Traceback" not in out + err, shown
-    if spec.ok:
-        assert rc == 0, shown
-        text = out + err
-    else:
-        lines = [line for line in err.splitlines() if line.startswith("error:")]
-        assert rc != 0 and len(lines) == 1, shown
-        text = lines[0]
+    show = shown(rc, out, err)
+    text = verdict(rc, out, err, spec.needles, spec.ok, show, tail=3000)
     for n in spec.needles:
-        assert n in text, f"{n!r} not in {text[-3000:]!r}"
         if "symbolic link" in n:  # what is left alone is named in one line, however many files lie below a link
             assert sum(n in line for line in text.splitlines()) == 1, text[-3000:]
     assert tree_hash(c.decoy) == decoy_before, "a file outside the run changed"
     assert ckpt.verify(c.decoy / "archive" / "step_1") is None
     assert tree_hash(prior.run) == prior_before
     if spec.kept is not None:
-        assert sorted(after) == sorted(spec.kept), (sorted(after), shown)
+        assert sorted(after) == sorted(spec.kept), (sorted(after), show)
     else:
         assert {k: v for k, v in after.items() if k in before} == before, "a complete checkpoint was lost or changed"
     assert not leftovers, leftovers

@@ -22,7 +22,7 @@ from tests.helpers.cli import env, launch, metrics, ok, run_info
 from tests.helpers.paths import ROOT
 from tests.helpers.ports import free_port as _port
 from vtrain.data.sampler import ShardedEpochSampler
-from vtrain.engine.checkpoint import complete_checkpoints, read_manifest, read_train_state, verify
+from vtrain.engine.checkpoint.format import complete_checkpoints, read_manifest, read_train_state, verify
 
 pytestmark = pytest.mark.slow
 

@@ -36,11 +36,12 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers.cli import reseal, tree_hash
 from tests.helpers.paths import ROOT
+from tests.helpers.scaffold import case_table, copied_run, served, shown, verdict
 from tests.helpers.files import (
     face_run, FilesCli, leftovers as _leftovers, private_mounts_work as _private_mounts_work, ROOT_USER, TRAIN,
     verifying as _verifying)
-from vtrain import guarded
-from vtrain.engine import checkpoint as ckpt
+from vtrain.io import guarded
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine import rundir
 
 
@@ -60,26 +61,22 @@ class Runs:
 def runs(tmp_path_factory) -> Runs:
     from vtrain.data.demo_shapes import ensure_demo_shapes
 
-    root = tmp_path_factory.mktemp("owned")
-    (root / "logs").mkdir()
-    cli = FilesCli(root / "logs")
-    faces, run = face_run(root, cli)
-    demo = ensure_demo_shapes()
-    coco = json.loads((demo / "annotations" / "instances_train2017.json").read_text())
-    images = coco["images"][:2]
-    ids = {im["id"] for im in images}
-    ann = root / "two.json"
-    ann.write_text(json.dumps({"images": images, "categories": coco["categories"],
-                               "annotations": [a for a in coco["annotations"] if a["image_id"] in ids]}))
-    data = ["--train-ann", str(ann), "--train-images", str(demo / "train2017"), "--val-ann", str(ann),
-            "--val-images", str(demo / "train2017")]
-    rc, out, err = cli.run_with(["train", "--task", "dino", "--model", "debug-resnet", "--num-workers", "0",
-                                 "--mixed-precision", "no", *data, "--output-dir", str(root / "dino"),
-                                 "--image-size", "128", "--batch-size", "2", "--max-steps", "1"], {})
-    assert rc == 0, out[-3000:] + err[-3000:]
-    yield Runs(cli, faces, run, root / "dino", [demo / "train2017" / im["file_name"]
-                                                                 for im in images])
-    cli.close()
+    with served(tmp_path_factory, "owned", FilesCli) as (root, cli):
+        faces, run = face_run(root, cli)
+        demo = ensure_demo_shapes()
+        coco = json.loads((demo / "annotations" / "instances_train2017.json").read_text())
+        images = coco["images"][:2]
+        ids = {im["id"] for im in images}
+        ann = root / "two.json"
+        ann.write_text(json.dumps({"images": images, "categories": coco["categories"],
+                                   "annotations": [a for a in coco["annotations"] if a["image_id"] in ids]}))
+        data = ["--train-ann", str(ann), "--train-images", str(demo / "train2017"), "--val-ann", str(ann),
+                "--val-images", str(demo / "train2017")]
+        rc, out, err = cli.run_with(["train", "--task", "dino", "--model", "debug-resnet", "--num-workers", "0",
+                                     "--mixed-precision", "no", *data, "--output-dir", str(root / "dino"),
+                                     "--image-size", "128", "--batch-size", "2", "--max-steps", "1"], {})
+        assert rc == 0, out[-3000:] + err[-3000:]
+        yield Runs(cli, faces, run, root / "dino", [demo / "train2017" / im["file_name"] for im in images])
 
 
 @dataclass
@@ -152,16 +149,7 @@ class Case:
     """More to assert afterwards."""
 
 
-CASES: dict[str, Case] = {}
-
-
-def case(name: str, *needles: str, ok: bool = False, pruned_to: tuple[str, ...] | None = None,
-         check: Callable[[Ctx], None] | None = None):
-    def add(build):
-        assert name not in CASES
-        CASES[name] = Case(build, needles, ok, pruned_to, check)
-        return build
-    return add
+CASES, case = case_table(Case)
 
 
 MOUNT_ROWS = ("bind",)  # options that need a private mount namespace (root with CAP_SYS_ADMIN)
@@ -439,12 +427,8 @@ def _hashes(paths: list[Path]) -> dict[str, str]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_owned_outputs(name, runs, tmp_path):
     spec = CASES[name]
-    c = Ctx(runs, tmp_path / "run", tmp_path / "decoy", tmp_path / "out")
-    shutil.copytree(runs.run, c.run)
-    c.out.mkdir()
-    shutil.copytree(c.step(1), c.decoy / "archive" / "step_1")
+    c = Ctx(runs, *copied_run(runs.run, tmp_path))
     shutil.copytree(c.step(1) / "accelerate", c.decoy / "accelerate")
-    (c.decoy / "bytes.bin").write_bytes(os.urandom(4096))
     try:
         argv = spec.build(c)
     except PermissionError as e:  # os.mknod of a device needs root (CAP_MKNOD)
@@ -472,17 +456,10 @@ def test_owned_outputs(name, runs, tmp_path):
     finally:
         if mounted:
             subprocess.run(["umount", str(c.out)], check=True)
-    shown = f"exit {rc}\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-5000:]}"
-    assert "Traceback" not in out + err and "Exception in thread" not in out + err, shown
-    if spec.ok:
-        assert rc == 0, shown
-        text = out + err
-    else:
-        lines = [line for line in err.splitlines() if line.startswith("error:")]
-        assert rc != 0 and len(lines) == 1, shown
-        text = lines[0]
+    show = shown(rc, out, err)
+    assert "Exception in thread" not in out + err, show
+    text = verdict(rc, out, err, spec.needles, spec.ok, show, tail=3000)
     for n in spec.needles:
-        assert n in text, f"{n!r} not in {text[-3000:]!r}"
         if "mount point" in n:  # what is left alone is named in one line, however many files lie below it
             assert sum(n in line for line in text.splitlines()) == 1, text[-3000:]
     assert tree_hash(c.decoy) == decoy_before and _kinds(c.decoy) == kinds_before, "a file outside the run changed"
@@ -490,7 +467,7 @@ def test_owned_outputs(name, runs, tmp_path):
     assert _hashes(c.kept) == kept_before, "a file the command does not own was replaced"
     assert (tree_hash(runs.run), tree_hash(runs.dino)) == runs_before
     if spec.pruned_to is not None:
-        assert sorted(after) == sorted(spec.pruned_to), (sorted(after), shown)
+        assert sorted(after) == sorted(spec.pruned_to), (sorted(after), show)
     else:
         assert {k: v for k, v in after.items() if k in before} == before, "a complete checkpoint was lost or changed"
     assert not leftovers, leftovers
@@ -550,7 +527,7 @@ def test_mount_points_are_read_from_the_kernels_list(tmp_path):
         pytest.skip("no private mount namespace here for a real bind mount")
     (tmp_path / "a b").mkdir()
     (tmp_path / "t").mkdir()
-    code = ("import sys; from vtrain import guarded; p = sys.argv[1]; "
+    code = ("import sys; from vtrain.io import guarded; p = sys.argv[1]; "
             "print(guarded.is_mount(p), guarded.is_mount(p + '/..'), p in guarded.mount_points())")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", 'mount --make-rprivate / && mount --bind "$1" "$2" && '
                            'exec "$0" -c "$3" "$2"', sys.executable, str(tmp_path / "a b"), str(tmp_path / "t"),

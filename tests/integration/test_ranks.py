@@ -2,7 +2,7 @@
 collective, and the exit of a finished multi-process run.
 
 - DeepSpeed's `save_checkpoint` writes between its barriers; every one of those writes goes through vtrain's guard
-  (engine/ds_writes.py), so a failed write on one rank no longer strands it past a barrier the other ranks wait
+  (engine/engines/ds_writes.py), so a failed write on one rank no longer strands it past a barrier the other ranks wait
   in. Fast: a stand-in engine that runs DeepSpeed's sequence (its collectives counted) over a real
   `TorchCheckpointEngine`, with each write failing in turn; the installed DeepSpeed still has what the guard
   hooks into. Slow: two real ranks with a file size limit on one of them from the start of the second save.
@@ -32,8 +32,8 @@ import torch
 from tests.helpers.cli import env
 from tests.helpers.paths import ROOT
 from tests.helpers.ports import free_port as _port
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import ds_writes
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.engines import ds_writes
 from vtrain.errors import VtrainError
 
 HANG = 300  # seconds: far beyond what each run needs; reaching it is the failure a hang produces

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from tests.helpers.cli import env, ok, reseal
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import running
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.rundir import LOCK, STALE_AFTER_S, OutputDirLock
 from vtrain.errors import VtrainError
 from tests.helpers.fork_server import Cli
@@ -130,7 +130,7 @@ def _torch_plant(path: Path, obj) -> None:
     store), so the doctored file is the real one plus a payload."""
     from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
-    from vtrain.safeio import _deepspeed_globals
+    from vtrain.io.safeio import _deepspeed_globals
 
     with torch.serialization.safe_globals([*TORCH_SAFE_GLOBALS, *_deepspeed_globals()]):
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -208,7 +208,7 @@ def _read_dcp(run, step, tmp_path, faces, command):
 
 def _plant_dcp(command):
     def plant(run, obj, tmp_path, faces):
-        from vtrain.safeio import _dcp_globals, restricted_load
+        from vtrain.io.safeio import _dcp_globals, restricted_load
 
         step = ckpt.complete_checkpoints(run)[-1]
         f = step / "fsdp" / ".metadata"
@@ -226,7 +226,7 @@ def _plant_dcp_item(fqn, command):
         import dataclasses
         import io
 
-        from vtrain.safeio import _dcp_globals, restricted_load
+        from vtrain.io.safeio import _dcp_globals, restricted_load
 
         step = ckpt.complete_checkpoints(run)[-1]
         folder = step / "fsdp"

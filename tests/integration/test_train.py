@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.cli import final_weights, metrics, ok, run_info, vtrain
-from vtrain.engine.checkpoint import complete_checkpoints
+from vtrain.engine.checkpoint.format import complete_checkpoints
 
 COMMON = ["--batch-size", "8", "--log-every", "1", "--num-workers", "0", "--embedding-dim", "32",
           "--head", "cosface", "--scale", "16", "--lr", "3e-3"]

@@ -139,11 +139,11 @@ def test_estimate_total_and_max_batch():
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
 def test_estimate_reads_a_ds_config_as_the_training_run_does(name, tmp_path):
-    """One reading of a DeepSpeed JSON (ds_json.py): estimate-memory's Setup and the launch plan agree on the
+    """One reading of a DeepSpeed JSON (config/ds_json.py): estimate-memory's Setup and the launch plan agree on the
     stage, the offloading and DeepSpeed's own 16-bit mode, for the shipped files and a full-bf16 variant."""
     from tests.helpers.paths import ROOT
-    from vtrain.engine.ds_config import fill_ds_config
-    from vtrain.tools.memory_setup import setup_from
+    from vtrain.engine.engines.ds_config import fill_ds_config
+    from vtrain.tools.estimate_memory import setup_from
 
     raw = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
     for variant in (raw, {**raw, "bf16": {"enabled": True}}):

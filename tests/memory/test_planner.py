@@ -20,7 +20,7 @@ from vtrain.memory.setup import Setup
 from vtrain.memory.engines import engine_model
 from vtrain.memory.sizing import GiB, estimate, model_facts
 from vtrain.memory.trace import build_model, trace
-from vtrain.tools.memory import breakdown, planned
+from vtrain.tools.estimate_memory import breakdown, planned
 
 DINO = Setup(task="dino", preset="debug", image_size=(96, 128), batch_size=2, num_classes=5, num_targets=3)
 SHARDED = Setup(task="metric", preset="debug", image_size=(112, 112), batch_size=8, num_classes=1003, gpus=4,

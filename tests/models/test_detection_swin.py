@@ -197,7 +197,7 @@ def test_same_tensors_as_before_so_old_checkpoints_load():
 
 
 def test_checkpointed_detection_blocks_give_the_same_result():
-    from vtrain.models.checkpointing import set_recompute
+    from vtrain.models.recompute_units import set_recompute
 
     ours = _perturbed(always_partition=True)
     use_shared_bias_attention(ours, detection=True)

@@ -14,14 +14,14 @@ from tests.helpers.batches import dino_batch
 from tests.helpers.paths import FIXTURES
 from vtrain.config import ModelConfig, OptimConfig, RunConfig
 from vtrain.config.run import resolve
-from vtrain.engine.content import describe
+from vtrain.engine.checkpoint.content import describe
 from vtrain.engine.optim import param_groups
 from vtrain.errors import VtrainError
 from vtrain.models.dino import DINO, DinoOptions
 from vtrain.models.dino.adapters import idea
 from vtrain.models.formats import unwrap
 from vtrain.presets import DINO_PRESETS
-from vtrain.safeio import load_published
+from vtrain.io.safeio import load_published
 from vtrain.tasks.model import build_model
 
 

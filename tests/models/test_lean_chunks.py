@@ -19,7 +19,7 @@ from tests.helpers.lean import (
 import vtrain.models.lean as lean
 from vtrain.config import build_config
 from vtrain.errors import ConfigError
-from vtrain.models.checkpointing import set_recompute
+from vtrain.models.recompute_units import set_recompute
 from vtrain.models.dino import DINO, msda
 from vtrain.models.dino.msda import MSDeformAttn, auto_impl
 from vtrain.models.dino.transformer import FFN, Encoder, EncoderBlock, LevelPositions

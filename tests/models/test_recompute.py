@@ -1,5 +1,5 @@
 """`--grad-ckpt`: the grammar (vtrain/recompute.py), the units of built models and their application
-(models/checkpointing.py), and that every unit, full or selective, gives today's loss and gradients bit for bit."""
+(models/recompute_units.py), and that every unit, full or selective, gives today's loss and gradients bit for bit."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from tests.helpers.batches import dino_batch as _batch
 from vtrain import recompute
 from vtrain.config import build_config
-from vtrain.engine.ds_config import fill_ds_config
-from vtrain.engine.fsdp import shard_units
+from vtrain.engine.engines.ds_config import fill_ds_config
+from vtrain.engine.engines.fsdp_units import shard_units
 from vtrain.errors import ConfigError, VtrainError
-from vtrain.models.checkpointing import (active_recompute, apply_recompute, apply_spec, recompute_summary,
+from vtrain.models.recompute_units import (active_recompute, apply_recompute, apply_spec, recompute_summary,
                                          recompute_units)
 from vtrain.models.dino import DINO
 from vtrain.models.metric import MetricModel
@@ -131,7 +131,7 @@ def test_units_have_stable_names_and_line_up_with_fsdp_shard_units():
     assert list(recompute_units(metric)) == ["backbone.block0", "backbone.block1"]  # ViT: one unit per block
     for model in (dino, resnet, metric):
         blocks = [b for bs in recompute_units(model).values() for b in bs]
-        # each checkpointed block is one FSDP2 unit (engine/fsdp.py): its hooks gather it before the recompute
+        # each checkpointed block is one FSDP2 unit (engine/engines/fsdp_units.py): its hooks gather it before the recompute
         assert blocks == [u for u in shard_units(model) if any(u is b for b in blocks)]
         assert len(blocks) == len({id(b) for b in blocks})
 

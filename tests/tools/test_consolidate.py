@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.cli import ok, reseal, vtrain
-from vtrain.engine.checkpoint import complete_checkpoints
+from vtrain.engine.checkpoint.format import complete_checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from vtrain.models.dino.adapters import detrex, idea, mmdet
 from vtrain.models.formats import unwrap
 from vtrain.models.swin_attention import SharedBiasSwinBlock
 from vtrain.presets import DINO_PRESETS
-from vtrain.safeio import load_published
+from vtrain.io.safeio import load_published
 from vtrain.tools import convert as conv
 
 FIX = FIXTURES

@@ -142,7 +142,7 @@ def test_checkpoint_without_categories_json(dino_run, tmp_path):
     """A detection checkpoint written before categories.json existed (rebuilt here: its files without it, under a
     fresh manifest): class names and ids come from --ann, giving exactly the new checkpoint's output; without
     --ann the classes are `class <i>` with their label indices as ids; an --ann of another class count is refused."""
-    from vtrain.engine import checkpoint as ckpt
+    from vtrain.engine.checkpoint import format as ckpt
     from vtrain.tools.predict import predict_detection
 
     new = ckpt.complete_checkpoints(dino_run["run"])[-1]

@@ -12,7 +12,7 @@ from vtrain.config.run import (_SECTION_CLASSES, CONFIG_ONLY, FLAG_SECTIONS, TAS
                                build_config, check_neck_batch, check_paths, check_resize, config_from_flags, flag_of,
                                load_run_config, options, resolve)
 from vtrain.config.train import TrainConfig
-from vtrain.config_values import read_yaml
+from vtrain.config.values import read_yaml
 from vtrain.errors import ConfigError
 
 __all__ = ["CONFIG_ONLY", "DEFAULT_MAX_IMAGE_PIXELS", "DEMO_DATA", "FLAG_SECTIONS", "MAX_IMAGE_PIXELS_CEILING",

@@ -17,9 +17,9 @@ from vtrain.config.fields import fail
 from vtrain.config.model import ModelConfig
 from vtrain.config.parallel import ParallelConfig
 from vtrain.config.train import TrainConfig
-from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
+from vtrain.config.ds_json import DS_CONFIG_UNREADABLE, check_structure, read_json
 from vtrain.errors import ConfigError
-from vtrain.files import cache_root, directory_problem
+from vtrain.io.files import cache_root, directory_problem
 
 
 def check_model(m: ModelConfig) -> None:
@@ -55,7 +55,7 @@ def check_data(d: DataConfig) -> None:
 
 def check_parallel(p: ParallelConfig) -> None:
     """The DeepSpeed JSON's own structure too (a pure function of the file, no DeepSpeed import), so a typo there
-    is one line before start-up; the values vtrain owns are filled in at launch (engine/plan.py)."""
+    is one line before start-up; the values vtrain owns are filled in at launch (engine/engines/plan.py)."""
     if p.ds_config is None:
         return
     if not Path(p.ds_config).is_file():

@@ -22,9 +22,9 @@ from vtrain.config.optim import OptimConfig
 from vtrain.config.parallel import ParallelConfig
 from vtrain.config import paths
 from vtrain.config.train import TrainConfig
-from vtrain.config_values import coerce, read_yaml
+from vtrain.config.values import coerce, read_yaml
 from vtrain.errors import ConfigError, shown
-from vtrain.files import write_text_atomic
+from vtrain.io.files import write_text_atomic
 from vtrain.presets import presets_for
 
 Task = Literal["metric", "dino"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vtrain.config.fields import NO_FLAG, Section
-from vtrain.guarded import utf8_problem
+from vtrain.io.guarded import utf8_problem
 
 ReportTo = Literal["none", "tensorboard", "wandb"]
 REPORT_TO: tuple[str, ...] = typing.get_args(ReportTo)

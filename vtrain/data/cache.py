@@ -1,4 +1,4 @@
-"""Atomic, race-safe creation of generated data in the data cache (vtrain/files.py: `cache_root`)."""
+"""Atomic, race-safe creation of generated data in the data cache (vtrain/io/files.py: `cache_root`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from vtrain.errors import VtrainError
-from vtrain.files import cache_root
+from vtrain.io.files import cache_root
 
 
 def cached_dir(name: str, write: Callable[[Path], None]) -> Path:

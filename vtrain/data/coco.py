@@ -28,7 +28,7 @@ from vtrain.data.coco_index import KIND, KIND_VERSION, check_index, gc_paused, p
 from vtrain.data.images import decode_rgb
 from vtrain.data.index import Index, file_identity, open_index
 from vtrain.errors import BadSample, VtrainError
-from vtrain.records import loads
+from vtrain.io.records import loads
 
 MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics (MMD preprocessor 123.675/116.28/103.53, 58.395/57.12/57.375)
 STD = (0.229, 0.224, 0.225)

@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from vtrain.errors import VtrainError, shown
-from vtrain.records import INT64, categories
+from vtrain.io.records import INT64, categories
 
 MAX_SIDE = 2**31 - 1
 """The largest image width or height: PNG's limit for its four-byte dimensions (docs/input_limits.md §7)."""

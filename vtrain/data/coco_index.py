@@ -38,9 +38,9 @@ import numpy as np
 
 from vtrain.data.coco_check import MAX_SIDE, coco_from_dict
 from vtrain.errors import VtrainError, shown
-from vtrain.records import MAX_CATEGORIES
-from vtrain.records import categories as check_categories
-from vtrain.records import loads
+from vtrain.io.records import MAX_CATEGORIES
+from vtrain.io.records import categories as check_categories
+from vtrain.io.records import loads
 
 KIND, KIND_VERSION = "coco", 1
 CHUNK = 32 << 20

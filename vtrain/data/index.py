@@ -29,7 +29,7 @@ import numpy as np
 
 from vtrain.data.cache import cached_dir
 from vtrain.errors import VtrainError, shown
-from vtrain.records import loads
+from vtrain.io.records import loads
 
 FORMAT = "vtrain-index"
 VERSION = 1

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from vtrain.errors import VtrainError, shown
-from vtrain.safeio import UnsafeFileError, restricted_load
+from vtrain.io.safeio import UnsafeFileError, restricted_load
 
 
 MIN_PAIRS = 10  # the 10-fold protocol scores each fold on its own pairs (eval/verification.py kfold_accuracy)

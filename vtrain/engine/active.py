@@ -19,7 +19,7 @@ from torch import nn
 
 from vtrain.dist import world_size
 from vtrain.engine.compile import compiled_regions
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
 
 

@@ -16,14 +16,14 @@ from torch import nn
 from vtrain import recompute
 from vtrain.config import RunConfig
 from vtrain.dist import broadcast_from_main
-from vtrain.engine.parallel import engine_class
-from vtrain.engine.plan import Plan as LaunchPlan
+from vtrain.engine.engines.build import engine_class
+from vtrain.engine.engines.plan import Plan as LaunchPlan
 from vtrain.engine.step_costs import run_facts
 from vtrain.errors import VtrainError
 from vtrain.memory.planner import Plan, plan as make_plan
 from vtrain.memory.setup import Setup, run_setup
 from vtrain.memory.sizing import GiB
-from vtrain.models.checkpointing import active_hidden_recompute, apply_recompute, set_hidden_recompute
+from vtrain.models.recompute_units import active_hidden_recompute, apply_recompute, set_hidden_recompute
 
 # What the default budget leaves free on a GPU: the caching allocator reserves more than the tensors it holds
 # (fragmentation). vtrain's H100 measurement (docs/gpu_h100.md §1) saw reserved exceed the peak allocated by

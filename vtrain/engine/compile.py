@@ -36,7 +36,7 @@ from torch import nn
 from torch.fx.experimental import _config as fx_config
 
 from vtrain.config import TrainConfig
-from vtrain.engine.fsdp import shard_units
+from vtrain.engine.engines.fsdp_units import shard_units
 from vtrain.errors import VtrainError
 
 

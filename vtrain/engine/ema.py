@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from vtrain.dist import rank as dist_rank
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.errors import VtrainError
 
 

@@ -25,8 +25,8 @@ from torch.optim.adamw import adamw
 
 from vtrain.config import RunConfig
 from vtrain.dist import all_sum, all_true
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine.content import ContentError, head_files, head_spec, nonfinite, shard_name
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint.content import ContentError, head_files, head_spec, nonfinite, shard_name
 from vtrain.errors import VtrainError
 from vtrain.models.partial_fc import PartialFC
 

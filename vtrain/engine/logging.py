@@ -20,12 +20,12 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.console import console, hms, show_progress
 from vtrain.dist import gather_objects
-from vtrain.engine.checkpoint import TENSORBOARD
+from vtrain.engine.checkpoint.format import TENSORBOARD
 from vtrain.errors import VtrainError
-from vtrain.files import write_json_atomic
+from vtrain.io.files import write_json_atomic
 
 if TYPE_CHECKING:  # annotations only: the offline commands import this module for its console
     from accelerate import Accelerator

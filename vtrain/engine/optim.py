@@ -11,8 +11,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from vtrain.config import OptimConfig
-from vtrain.engine.parallel import engine_class
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.build import engine_class
+from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
 
 _NO_DECAY_NAMES = ("pos_embed", "cls_token", "reg_token", "relative_position_bias_table", "absolute_pos_embed",

@@ -29,7 +29,7 @@ def no_weight_cast_cache() -> Iterator[None]:
     it again for the next. With a module called twice in one forward (DINO's box heads: inside the decoder for the
     next reference, then for the outputs) and the cache on, backward failed in the parameter's gradient
     accumulation ("The size of tensor a (0) must match the size of tensor b (64)"), on 1 and 2 CPU processes,
-    DeepSpeed 0.19.8, `memory_efficient_linear` false (engine/ds_config.py); with the cache off it trains
+    DeepSpeed 0.19.8, `memory_efficient_linear` false (engine/engines/ds_config.py); with the cache off it trains
     (tests/integration/test_dino_train.py, tests/integration/test_precision.py). DeepSpeed opens its autocast with the cache setting in
     force when it is entered (`torch.autocast(cache_enabled=None)` inherits it), so turning the cache off around
     the engine's forward turns it off inside. Each use then casts its own copy; the cache would have kept every

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from vtrain.config import ModelConfig
-from vtrain.config_values import coerce, read_yaml
-from vtrain.engine import checkpoint as ckpt
+from vtrain.config.values import coerce, read_yaml
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.ema import weights_file
 from vtrain.errors import VtrainError
 from vtrain.models.dino.detector import DinoOptions

@@ -19,12 +19,12 @@ from pathlib import Path
 import psutil
 import yaml
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.config import RunConfig
-from vtrain.engine import best as best_record
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import best as best_record
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.errors import VtrainError
-from vtrain.records import Record, RecordError, read_json
+from vtrain.io.records import Record, RecordError, read_json
 
 LOCK = ".vtrain.lock"
 MARKER = ".vtrain-run.json"  # {"format": MARKER_FORMAT, "version", "created"}: this directory is a vtrain run's

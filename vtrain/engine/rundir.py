@@ -21,7 +21,7 @@ A new run refuses a directory that already holds another run's checkpoints or lo
 (`--resume`) or is told to start over (`--overwrite-output-dir`).
 
 Everything a run writes or deletes lies inside its directory, as real files and folders on its own file system
-(vtrain/guarded.py): a name the run writes (`RUN_NAMES`, and `best.json` or a staging folder in `checkpoints/`)
+(vtrain/io/guarded.py): a name the run writes (`RUN_NAMES`, and `best.json` or a staging folder in `checkpoints/`)
 that is a symbolic link or a mount point stops the run before anything is written, since writing there would write
 elsewhere, and so does one that is not a regular file (a FIFO, a device) or folder; a `checkpoints/step_<N>` that
 is a link or a mount point is not the run's and is left alone (named in the log). The lock's fields are checked
@@ -40,14 +40,14 @@ from pathlib import Path
 
 import psutil
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.dist import AgreedError, broadcast_from_main, gather_objects, is_main
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.run_files import (CONSOLE_LOGS, EVAL_LOG, HEARTBEAT_S, LOCK, LOG_FILES, MARKER, MARKER_FORMAT,
                                      RUN_FILES, STALE_AFTER_S, TRAIN_LOG, check_links, check_owned, check_place,
                                      earlier_run, foreign_files, is_marker, lock_holder, read_lock)
 from vtrain.errors import VtrainError
-from vtrain.files import write_json_atomic, write_text_atomic
+from vtrain.io.files import write_json_atomic, write_text_atomic
 
 # the names of run_files.py that rundir's users read here
 __all__ = ["CONSOLE_LOGS", "EVAL_LOG", "LOCK", "MARKER", "MARKER_FORMAT", "RUN_FILES", "STALE_AFTER_S", "TRAIN_LOG",

@@ -23,9 +23,10 @@ from vtrain.console import console, header, log_to
 from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.data.skip import SkipBadSamples
 from vtrain.dist import agreed, all_mean_, broadcast_from_main, gather_objects, leave
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import autoplan, content, determinism, faults, head_shard, pretrained, rundir
-from vtrain.engine.checkpointer import Checkpointer
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine import autoplan, determinism, faults, head_shard, pretrained, rundir
+from vtrain.engine.checkpoint import content
+from vtrain.engine.checkpoint.checkpointer import Checkpointer
 from vtrain.engine.compile import compile_regions
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.interrupt import GracefulInterrupt, TrainingInterrupted
@@ -33,13 +34,13 @@ from vtrain.engine.loader import MicroBatches, skip_hint
 from vtrain.engine.logging import (RunLogger, StatsWindow, StepTimer, describe_run, memory_gb, start_trackers,
                                    tracker_name, write_run_info)
 from vtrain.engine.optim import build_optimizer, build_scheduler, layer_decay_note
-from vtrain.engine.accelerator import build_accelerator
-from vtrain.engine.parallel import build_engine
-from vtrain.engine.plan import resolve_plan
+from vtrain.engine.engines.accelerator import build_accelerator
+from vtrain.engine.engines.build import build_engine
+from vtrain.engine.engines.plan import resolve_plan
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict, read_state_dict
-from vtrain.models.checkpointing import recompute_summary
-from vtrain.safeio import enforce_weights_only
+from vtrain.models.recompute_units import recompute_summary
+from vtrain.io.safeio import enforce_weights_only
 from vtrain.tasks import build_task
 
 
@@ -50,11 +51,11 @@ class Trainer:
     def __init__(self, cfg: RunConfig, interrupt: GracefulInterrupt | None = None) -> None:
         self.cfg = cfg
         t = cfg.train
-        # no file read on this run's behalf may run code (safeio.py); DeepSpeed's own types: by its engine class
+        # no file read on this run's behalf may run code (io/safeio.py); DeepSpeed's own types: by its engine class
         enforce_weights_only(deepspeed=False)
         self.interrupt = interrupt or GracefulInterrupt().install()
         self.faults = faults.injected()  # the tests' fault injection, read once (faults.py)
-        # 1. launch plan, then the process group: everything below may run collectives.
+        # 1. launch plan, then the process group and the plan's engine class: everything below may run collectives.
         self.plan = resolve_plan(cfg)
         self.out = Path(t.output_dir)
         self.accelerator = build_accelerator(self.plan, t.grad_accum, tracker_name(t.report_to), t.output_dir)
@@ -63,28 +64,30 @@ class Trainer:
         self.is_main = self.accelerator.is_main_process
         self.interrupt.use_group(self.world)
         # 2. the output directory: rank 0 locks it (one run per directory) and checks what it may hold, before
-        # anything is written; then the checkpoint to resume, verified on all ranks, each hashing a share, and
-        # the run's lineage (checkpointer.py)
+        # anything is written; then the checkpoint to resume (one ResumePoint, verified on all ranks, each hashing
+        # a share; its reshard route set) and the run's lineage (checkpoint/checkpointer.py); then the thread count
+        # and --deterministic, and the run's first writes (train.log, config.yaml)
         self.lock = None
         notes = broadcast_from_main(self._claim_output_dir)
         rundir.check_shared(self.out, self.lock)  # collective: every rank sees rank 0's lock
         self.checkpointer = Checkpointer(cfg, self.plan, self.accelerator)
-        self.logger_notes: list[str] = notes + self.checkpointer.choose()
-        self.resumed_from = self.checkpointer.resume_from
+        self.resume, chosen = self.checkpointer.choose(self.engine)  # also the engine's reshard route, before prepare
+        self.logger_notes: list[str] = notes + chosen
+        self.resumed_from = self.resume.path if self.resume is not None else None
         # a detector fine-tuned from a vtrain checkpoint takes its model options before the config is recorded
         inherited = pretrained.inherit_model_options(cfg)
         if inherited:
             self.logger_notes.append(inherited)
         # the thread count and --deterministic (a resume keeps its checkpoint's), before anything is computed and
         # before config.yaml records them (engine/determinism.py)
-        self.logger_notes += determinism.keep_from_checkpoint(cfg, self.checkpointer.saved_config())
+        self.logger_notes += determinism.keep_from_checkpoint(cfg, self.resume.config if self.resume else None)
         self.logger_notes += determinism.apply(cfg, self.accelerator.device)
         if self.is_main:  # the run's first writes: a command refused before them changes nothing it was given
             log_to(self.out / rundir.TRAIN_LOG, header("train"))  # the console from the start, then as it goes
             cfg.save(self.out / ckpt.CONFIG)
             if t.resume is not None:
-                rundir.truncate_logs(self.out, self.checkpointer.resume_step)
-        # 3. identical initial weights on every rank (FSDP2 shards from the full init; DDP would broadcast).
+                rundir.truncate_logs(self.out, self.resume.step if self.resume else 0)
+        # 3. the seed (the same initial weights on every rank: FSDP2 shards the full init), the task, its data
         set_seed(t.seed)
         with self.accelerator.main_process_first():  # rank 0 writes the demo data once; the others then read it
             self.task = build_task(cfg)
@@ -95,7 +98,8 @@ class Trainer:
         if t.eval_every != 0:
             self.task.check_eval_data()
         # 4. model -> activation checkpointing (inside build_model; with `--grad-ckpt auto` the planner's, made on
-        # rank 0 from a fake-tensor trace and broadcast) -> pretrained weights -> sharding
+        # rank 0 from a fake-tensor trace and broadcast) -> the sharded face head beside it -> pretrained weights
+        # -> regional torch.compile -> FSDP2 sharding
         model = self.task.build_model()
         self.memory_plan = autoplan.choose(cfg, self.plan, dataset.num_classes, self.accelerator.device)
         if self.memory_plan is not None:
@@ -105,9 +109,6 @@ class Trainer:
         # --head-parallel sharded: this rank's class shard, built beside (never inside) the model the engine wraps
         self.head = head_shard.build(cfg, dataset, self.rank, self.world, self.accelerator.device, self.engine)
         self.pretrained_msg = agreed(lambda: self._load_weights(model))  # every rank reads the file: one line
-        # A ZeRO checkpoint of another world size is loaded in DeepSpeed's universal format, which must be
-        # configured before the engine is prepared (below).
-        self.checkpointer.route(self.engine)
         # regional torch.compile (engine/compile.py): after activation checkpointing, before FSDP2 shards the same
         # blocks, so each compiled forward runs inside its FSDP unit (torchtitan's order)
         self.logger_notes += compile_regions(model, t, self.accelerator.device, self.task.input_sizes_vary)
@@ -131,7 +132,8 @@ class Trainer:
                               f"than --grad-accum {t.grad_accum}; lower it or set --max-steps")
         self.total_steps = t.max_steps or (t.epochs or 1) * per_epoch
         # 7. one prepare (DDP wrap / DeepSpeed engine; the sharded head is stepped with the optimizer); the
-        # scheduler computes LRs, engine.set_lrs applies them (the head takes the schedule's multiplier)
+        # scheduler computes LRs, engine.set_lrs applies them (the head takes the schedule's multiplier); then the
+        # check of what is really active, and the EMA
         self.model, self.optimizer = self.engine.prepare(model, optimizer, self.head)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.engine.follow(self.scheduler)
@@ -144,8 +146,8 @@ class Trainer:
         self.engine.verify(self.active)
         # the EMA starts from the weights as built (pretrained included); a resume below replaces it
         self.ema = WeightEMA(self.engine, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
-        # 8. resume: the checkpointer restores model, optimizer, RNG, head, EMA, schedule and, through
-        # load_state_dict, the loop's counters below
+        # 8. resume: the checkpointer loads the ResumePoint once: model, optimizer, RNG, head, EMA, schedule and,
+        # through load_state_dict, the loop's counters below; then the run's logger and trackers
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
@@ -154,8 +156,8 @@ class Trainer:
         self.bad_files: list[str] = []
         self.checkpointer.attach(loop=self, engine=self.engine, scheduler=self.scheduler, head=self.head,
                                  ema=self.ema, dataset=self.dataset)
-        if self.resumed_from is not None:
-            self.logger_notes += self.checkpointer.load()
+        if self.resume is not None:
+            self.logger_notes += self.checkpointer.load(self.resume)
         self.logger = RunLogger(self.out, self.is_main, self.total_steps, self.step, *start_trackers(
             self.accelerator, t.report_to, self.out, self.checkpointer.run_id, cfg.to_dict()))
         self._wrote_run_info = False
@@ -173,7 +175,7 @@ class Trainer:
         self.consecutive_nonfinite = state["consecutive_nonfinite"]
 
     def _load_weights(self, model: torch.nn.Module) -> str:
-        """--pretrained (not on a resume) or --resume-weights-only, checked first (engine/content.py): a pretrained
+        """--pretrained (not on a resume) or --resume-weights-only, checked first (checkpoint/content.py): a pretrained
         file's values (its loader matches names and shapes), a weights-only file against this model, head included.
         Returns the note for the log."""
         cfg, file = self.cfg, self.cfg.train.resume_weights_only
@@ -427,7 +429,7 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def save(self) -> Path:
-        """Checkpoint the current step on all ranks (checkpointer.py), never a model gone non-finite. Collective."""
+        """Checkpoint the current step on all ranks (checkpoint/checkpointer.py), never a non-finite one. Collective."""
         self._check_parameters()
         return self.checkpointer.save(self.logger.info)
 

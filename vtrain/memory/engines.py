@@ -16,7 +16,7 @@ docs/memory_estimate.md.
   all-gathered back into the flat buffer.
 - DeepSpeed ZeRO-3 (stage3.py): parameters partitioned (1/N) and gathered module by module; gradients reduced
   through one flat buffer of `reduce_bucket_size` elements into this rank's fp32 partition.
-- FSDP2 (`fully_shard` per block, engine/fsdp.py): each rank holds dim-0 shards of the fp32 parameters; a block's
+- FSDP2 (`fully_shard` per block, engine/engines/fsdp_units.py): each rank holds dim-0 shards of the fp32 parameters; a block's
   parameters are all-gathered (in bf16 under bf16 autocast, fp32 with BatchNorm or fp32) for its forward and
   again for its backward; its unsharded gradients are reduce-scattered in fp32 when its backward ends, leaving
   this rank's fp32 shard until the step.
@@ -125,7 +125,7 @@ def _fsdp_blocks(setup: Setup, facts) -> list[Block]:
     out = []
     for b, (prefix, batchnorm) in [(-1, ("", True))] + list(enumerate(facts.blocks)):
         names = [name for name, blk in facts.block_of.items() if blk == b]
-        low = 4 if batchnorm or setup.precision == "no" else 2  # engine/fsdp.py's MixedPrecisionPolicy
+        low = 4 if batchnorm or setup.precision == "no" else 2  # engine/engines/fsdp_units.py's MixedPrecisionPolicy
         padded = [(n * _numel(_local_rows(facts.shapes[name], n)), name in trainable) for name in names]
         out.append(Block(prefix, sum(rounded(low * p, g) for p, _ in padded), low / 4,
                          rounded(4 * sum(p for p, t in padded if t), g),

@@ -1,7 +1,7 @@
 """`--grad-ckpt auto`: the recompute plan that fits a memory budget with the fewest recomputed FLOPs
 (docs/recompute.md §4 has the design and its figures).
 
-Choices per recompute unit (models/checkpointing.py): run plainly (`none`), checkpoint it fully (`full`) or
+Choices per recompute unit (models/recompute_units.py): run plainly (`none`), checkpoint it fully (`full`) or
 selectively (`sac`), and for a unit whose FFN can remake its hidden layer (DINO's encoder layers, models/lean.py)
 `ffn`: plain, but that hidden layer made again in backward. Everything is measured by the estimator's tracer
 (trace.py); nothing is assumed about a model.
@@ -43,7 +43,7 @@ from vtrain.memory.timeline import build as build_timeline, device_events, resid
 from vtrain.memory.trace import StepTrace, build_model, trace
 from vtrain.memory.calibrate import Rates, cpu_rates
 from vtrain.memory.tracker import FORWARD, RECOMPUTE
-from vtrain.models.checkpointing import hidden_units, recompute_units
+from vtrain.models.recompute_units import hidden_units, recompute_units
 
 NONE, FULL, SAC, FFN = "none", "full", "sac", "ffn"
 MAX_VERIFY = 6  # verification traces after the measurement traces (Swin-L DINO: ~15-25 s each on 2 CPU cores)

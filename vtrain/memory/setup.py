@@ -1,6 +1,6 @@
 """What a memory estimate or plan is about: one training configuration (`Setup`), and the Setup of a run config.
 
-`vtrain estimate-memory` builds one from flags (tools/memory_setup.py, the CLI boundary); a training run with
+`vtrain estimate-memory` builds one from flags (tools/estimate_memory.py, the CLI boundary); a training run with
 `--grad-ckpt auto` builds one from its own config and launch plan (engine/autoplan.py) through `run_setup`, so both
 read a run config the same way."""
 
@@ -28,7 +28,7 @@ class Setup:
     grad_ckpt: tuple[str, ...] = ()  # --grad-ckpt items (vtrain/recompute.py), e.g. ("backbone", "encoder:0-2")
     ffn_recompute: bool = True  # DINO encoder FFNs remake their hidden layer in backward (ModelConfig.ffn_recompute)
     # the planner's per-unit choice instead of the model-wide flag: exactly these units remake their FFN hidden
-    # layer (models/checkpointing.set_hidden_recompute); None: ffn_recompute decides
+    # layer (models/recompute_units.set_hidden_recompute); None: ffn_recompute decides
     ffn_units: tuple[str, ...] | None = None
     ffn_chunk: int = ModelConfig.ffn_chunk  # DINO encoder FFNs over this many tokens at a time (ModelConfig.ffn_chunk)
     layer_decay: float | None = None  # the run's --layer-decay: splits the optimizer's groups per backbone layer

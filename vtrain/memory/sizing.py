@@ -24,7 +24,7 @@ from vtrain.memory.setup import Setup
 from vtrain.memory.timeline import CUDA_CONTEXT_BYTES, PARTS, Point, Timeline, build
 from vtrain.memory.trace import StepTrace, build_model, trace
 from vtrain.memory.tracker import rounded
-from vtrain.models.checkpointing import outer_blocks
+from vtrain.models.recompute_units import outer_blocks
 
 GiB = 2**30
 __all__ = ["CUDA_CONTEXT_BYTES", "Estimate", "GiB", "ModelFacts", "estimate", "max_batch_that_fits", "model_facts"]
@@ -118,7 +118,7 @@ class ModelFacts:
     trainable: int
     frozen: int
     largest_layer: int  # most parameters held directly by one module (DeepSpeed's "largest layer")
-    largest_block: int  # most parameters in one FSDP2 unit (engine/fsdp.py shards the outermost blocks)
+    largest_block: int  # most parameters in one FSDP2 unit (engine/engines/fsdp_units.py shards the outermost blocks)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # every parameter, by qualified name
     trainable_names: list[str] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)  # the optimizer's parameter groups (trainable names)

@@ -34,7 +34,7 @@ from vtrain.data.coco import PAD_DIVISOR
 from vtrain.memory.head import head_loss, sharded_head, upper_bound_shapes
 from vtrain.memory.setup import Setup
 from vtrain.memory.tracker import FORWARD, RECOMPUTE, LiveBytes, Recording, Row, rounded
-from vtrain.models.checkpointing import recompute_units, set_hidden_recompute
+from vtrain.models.recompute_units import recompute_units, set_hidden_recompute
 from vtrain.models.dino.msda import auto_impl
 from vtrain.tasks.model import build_model as build_task_model
 

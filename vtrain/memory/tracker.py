@@ -105,7 +105,7 @@ class Recording:
 class LiveBytes(TorchDispatchMode):
     """Records the step (see the module docstring). `existing`: storages that are not the step's (parameters,
     buffers, inputs), never counted, and their views neither. `model`: names modules and installs the hooks;
-    `units`: recompute unit name -> its blocks (models/checkpointing.recompute_units), for the unit attribution."""
+    `units`: recompute unit name -> its blocks (models/recompute_units.recompute_units), for the unit attribution."""
 
     def __init__(self, existing: list[torch.Tensor], model: nn.Module | None = None,
                  units: dict[str, tuple[nn.Module, ...]] | None = None, extra: dict[str, nn.Module] | None = None,

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from vtrain.errors import VtrainError
-from vtrain.models.checkpointing import backbone_units, set_recompute
+from vtrain.models.recompute_units import backbone_units, set_recompute
 from vtrain.models.formats import convert_hint, detect, unwrap
 from vtrain.models.swin_attention import use_shared_bias_attention
 from vtrain.presets import METRIC_PRESETS
-from vtrain.safeio import load_published
+from vtrain.io.safeio import load_published
 
 
 def build_backbone(preset: str, image_size: int, drop_path: float | None = None) -> nn.Module:
@@ -95,7 +95,7 @@ def load_backbone_weights(backbone: nn.Module, sd: dict[str, torch.Tensor]) -> t
 
 
 def set_backbone_checkpointing(backbone: nn.Module, enable: bool = True) -> None:
-    """Non-reentrant checkpointing of every block of a timm backbone (all its units, models/checkpointing.py)."""
+    """Non-reentrant checkpointing of every block of a timm backbone (all its units, models/recompute_units.py)."""
     units = backbone_units(backbone)
     if not units:
         raise VtrainError(f"--grad-ckpt backbone: {type(backbone).__name__} has no blocks to checkpoint")

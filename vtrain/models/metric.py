@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vtrain.models.backbones import build_backbone
-from vtrain.models.checkpointing import backbone_units
+from vtrain.models.recompute_units import backbone_units
 from vtrain.presets import METRIC_PRESETS
 
 
@@ -144,7 +144,7 @@ class MetricModel(nn.Module):
         return {"loss": loss, "train_acc": acc}
 
     def recompute_units(self) -> dict[str, tuple[nn.Module, ...]]:
-        """The backbone's stages (Swin, ResNet) or blocks (ViT), models/checkpointing.py."""
+        """The backbone's stages (Swin, ResNet) or blocks (ViT), models/recompute_units.py."""
         return backbone_units(self.backbone)
 
     def no_weight_decay(self) -> set[str]:

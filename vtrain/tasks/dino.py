@@ -21,7 +21,7 @@ from vtrain.data.workers import worker_options
 from vtrain.dist import gather_objects
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_box_metrics, coco_detections
-from vtrain.files import write_json_atomic
+from vtrain.io.files import write_json_atomic
 from vtrain.models.backbones import check_match, load_backbone_weights, read_state_dict
 from vtrain.models.dino import DINO, postprocess
 from vtrain.models.dino.class_rows import (carry_rows, class_count, class_keys, describe_keys, describe_plan,

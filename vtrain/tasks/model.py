@@ -9,7 +9,7 @@ from torch import nn
 
 from vtrain import recompute
 from vtrain.config import ModelConfig, RunConfig
-from vtrain.models.checkpointing import apply_spec
+from vtrain.models.recompute_units import apply_spec
 from vtrain.models.dino import DINO, DinoOptions
 from vtrain.models.metric import MetricModel
 

@@ -30,16 +30,16 @@ from pathlib import Path
 
 import torch
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.config import load_run_config
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content
-from vtrain.engine.best import best_checkpoint
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint import content
+from vtrain.engine.checkpoint.best import best_checkpoint
 from vtrain.engine.ema import weights_file
 from vtrain.engine.head_shard import full_weight
 from vtrain.errors import VtrainError
-from vtrain.files import write_json_atomic
-from vtrain.safeio import enforce_weights_only
+from vtrain.io.files import write_json_atomic
+from vtrain.io.safeio import enforce_weights_only
 from vtrain.tasks import model_for_weights
 from vtrain.tools.shard_readers import READERS, Item
 from vtrain.tools.weight_checks import SecondCopy, cast_checked
@@ -244,7 +244,7 @@ def consolidate(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
         [guarded.Read("CKPT", src_path, folder=src_path.is_dir())]
     guarded.claim_output([out, out.parent / f"{out.name}.index.json", *shards], overwrite, "OUT",
                          ckpt.inside_checkpoint, reads)
-    enforce_weights_only()  # DeepSpeed's checkpoint files hold its own types (safeio.py)
+    enforce_weights_only()  # DeepSpeed's checkpoint files hold its own types (io/safeio.py)
     if best:
         path = best_checkpoint(path, "CKPT")
     src = detect(path, weights)

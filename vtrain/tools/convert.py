@@ -14,10 +14,10 @@ The steps, each a one-line error when it fails, nothing written before the last:
    tensor the adapter neither maps nor lists as known-unused is refused, naming it.
 6. The model of the preset is built on the meta device and every one of its tensors must be filled with its shape
    and a dtype of its kind; only then is each copied (`fill`), in the model's dtype, and checked finite.
-7. The run directory is staged beside OUT, checked as its readers check it (engine/content.py: the model its
+7. The run directory is staged beside OUT, checked as its readers check it (engine/checkpoint/content.py: the model its
    config.yaml and categories.json describe, every tensor finite) and renamed into place: run marker, config.yaml,
    and checkpoints/step_0 (model.safetensors, config.yaml, train_state.json, categories.json for detection) under a
-   verified manifest (engine/checkpoint.py).
+   verified manifest (engine/checkpoint/format.py).
 """
 
 from __future__ import annotations
@@ -34,19 +34,20 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from vtrain import guarded
-from vtrain import records
+from vtrain.io import guarded
+from vtrain.io import records
 from vtrain.config import build_config
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content, rundir
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine import rundir
+from vtrain.engine.checkpoint import content
 from vtrain.errors import VtrainError, shown
-from vtrain.files import digest_share
+from vtrain.io.files import digest_share
 from vtrain.models.dino.adapters.detrex import from_detrex
 from vtrain.models.dino.adapters.idea import from_idea
 from vtrain.models.dino.adapters.mmdet import from_mmdet
 from vtrain.models.formats import FORMATS, AdapterError, Converted, check_tensors, detect, non_state_dict, unwrap
 from vtrain.models.metric_adapters.arcface import from_arcface_vit
-from vtrain.safeio import load_published
+from vtrain.io.safeio import load_published
 from vtrain.tasks import build_model
 
 Adapter = Callable[[dict[str, torch.Tensor], Any], Converted]

@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 from torch import nn
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING, DataConfig, RunConfig, load_run_config
 from vtrain.config.paths import check_data
 from vtrain.data.ijb import find_ijb
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint import content
 from vtrain.engine.ema import weights_file
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import load_strict
@@ -62,7 +62,7 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     """The model of a checkpoint (or of a run directory's newest one that verifies), built from its config.yaml
     and loaded strictly from its model.safetensors; on CUDA when there is a GPU. Shared by `vtrain eval`, `predict`
     and `export`. The checkpoint is verified against its manifest first (a damaged one is an error naming the
-    file), then its weights against the model (engine/content.py: names, shapes, dtypes, finite values). A
+    file), then its weights against the model (engine/checkpoint/content.py: names, shapes, dtypes, finite values). A
     `task_name` other than the checkpoint's is an error naming `task_flag` (default `--task NAME`).
     `weights_choice`: ema, model or None (the EMA weights when the checkpoint has them: they are what the run
     evaluated)."""
@@ -74,7 +74,7 @@ def load_model(checkpoint: str | Path, task_name: str | None = None, device: tor
     if task_name is not None and task_name != cfg.task:
         raise VtrainError(f"{task_flag or f'--task {task_name}'}: {path} is a {cfg.task} checkpoint")
     saved = {k: v for k, v in asdict(cfg.data).items() if v is not None}
-    # the model config.yaml records, with the class count the checkpoint records (content.py), and the weights
+    # the model config.yaml records, with the class count the checkpoint records (checkpoint/content.py), and weights
     # checked against it (names, shapes, dtypes, finite values) before they are loaded
     classes = content.recorded_classes(path, cfg, flag)
     if classes is None:

@@ -18,7 +18,7 @@ whose range is narrower than onnx's own (onnxscript 0.7: 18..25, onnx 1.23: up t
 back to onnx's C converter, which leaves an invalid model (attention nodes at the old version).
 
 The output (and its `.data` file) is refused when it exists, unless `--overwrite`, and never written into a
-checkpoint (vtrain/guarded.py). It is written, checked and verified in a fresh hidden folder beside it, then renamed
+checkpoint (vtrain/io/guarded.py). It is written, checked and verified in a fresh hidden folder beside it, then renamed
 into place: a failed check leaves nothing behind, and a link at the target is replaced, never written through.
 """
 
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vtrain import guarded
-from vtrain.engine import checkpoint as ckpt
+from vtrain.io import guarded
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.logging import console
 from vtrain.errors import VtrainError
 from vtrain.models.dino.msda_onnx import LOWERINGS

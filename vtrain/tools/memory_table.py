@@ -1,4 +1,4 @@
-"""Rich tables for `vtrain estimate-memory` (the numbers come from tools/memory.py and vtrain/memory/)."""
+"""Rich tables for `vtrain estimate-memory` (the numbers come from tools/estimate_memory.py and vtrain/memory/)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ in batches, with a progress bar.
   (`flip_embeddings`); the input names are in its metadata (`files`, a JSON list, row order).
 
 An unreadable image stops the run with one error line naming it, rather than leaving a silent hole. Every file
-written is checked first (vtrain/guarded.py): never into a checkpoint, never over a FIFO or a device, an existing one
+written is checked first (vtrain/io/guarded.py): never into a checkpoint, never over a FIFO or a device, an existing one
 only with `--overwrite`, and each is written beside its name, checked to hold every byte, and renamed over it (a link
 there is replaced, never written through).
 """
@@ -33,17 +33,17 @@ from torchvision import tv_tensors
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.utils import draw_bounding_boxes
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING
 from vtrain.data.coco import check_resizable, collate, load_coco, normalize, test_transforms
 from vtrain.data.faces import load_image
 from vtrain.data.images import decode_rgb
 from vtrain.data.workers import worker_options
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.logging import console
 from vtrain.errors import VtrainError
 from vtrain.eval.coco_eval import coco_detections
-from vtrain.files import write_json_atomic
+from vtrain.io.files import write_json_atomic
 from vtrain.models.dino import postprocess
 from vtrain.tasks.dino import chosen_test_sizes
 from vtrain.tasks.metric import flip_embeddings
@@ -268,7 +268,7 @@ def predict_detection(checkpoint: str | Path | None, inputs: list[str], out: str
                     dets.append({**d, "file_name": names[i]})
                 drawn = draw(original, boxes, scores, labels, [c["name"] for c in categories])
                 # encoded here and written by vtrain's checked writer: an encoder writing its own file may leave a
-                # truncated JPEG under its final name after a short write (guarded.py)
+                # truncated JPEG under its final name after a short write (io/guarded.py)
                 guarded.write_bytes(outputs[i], memoryview(JpegEncoder(drawn).to_tensor(quality=95).numpy()))
     write_json_atomic(out / "predictions.json", dets)
     return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device), score_threshold,

@@ -20,7 +20,7 @@ import torch
 
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import read_state_dict
-from vtrain.safeio import check_dcp, dcp_refusals
+from vtrain.io.safeio import check_dcp, dcp_refusals
 
 Item = tuple[str, torch.Tensor, bool]  # name, tensor, is_buffer
 Reader = Callable[[Path, list[str], dict[str, str]], Iterator[Item]]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from vtrain.engine import content
+from vtrain.engine.checkpoint import content
 from vtrain.errors import VtrainError
 
 CAST_CHUNK = 2**20  # elements per slice of the cast-and-scan: its temporaries (one bool mask) stay at 1 MiB

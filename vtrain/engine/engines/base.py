@@ -4,7 +4,7 @@ An engine applies parallelism and precision to a built model and runs the step o
 exists), `prepare`, then per step `sync_context`, `forward_context`, `all_finite`, `backward`, `step`; `save`/`load`
 and `full_state_dict` for checkpoints; `local_tensor`, `whole_tensor`, `local_part` for the EMA, which averages what
 this rank holds. One class per engine (ddp.py, fsdp.py, deepspeed.py), chosen once from the plan
-(engine/parallel.py): no method here or in the callers tests which engine runs. The class methods are what the
+(engine/engines/build.py): no method here or in the callers tests which engine runs. The class methods are what the
 launch needs before an engine exists (the Accelerator's settings, the optimizer class, the log's first line).
 
 The step of DDP and FSDP2 is torch's own: fp16 GradScaler, `clip_grad_norm_`, `optimizer.step()`. The sharded face
@@ -28,11 +28,11 @@ from torch import nn
 from vtrain.config import OptimConfig
 from vtrain.dist import all_mean_, all_true
 from vtrain.engine import active as act
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import engine_layout
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint import layout as engine_layout
 from vtrain.engine import precision as prec
 from vtrain.engine.head_shard import ShardedHead, lr_factor
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 
 
 def free_port() -> int:
@@ -59,7 +59,7 @@ def average_buffers(module: nn.Module) -> None:
 
 class Engine:
     layout: engine_layout.EngineLayout = engine_layout.DDP
-    """What this engine keeps of its own in a checkpoint (engine/engine_layout.py)."""
+    """What this engine keeps of its own in a checkpoint (engine/checkpoint/layout.py)."""
 
     def __init__(self, plan: Plan, accelerator: Accelerator) -> None:
         self.plan, self.accelerator = plan, accelerator
@@ -82,7 +82,7 @@ class Engine:
 
     @classmethod
     def launch_environment(cls, plan: Plan) -> None:
-        """Environment the Accelerator must see when it is built (engine/accelerator.py)."""
+        """Environment the Accelerator must see when it is built (engine/engines/accelerator.py)."""
 
     @classmethod
     def accelerator_options(cls, plan: Plan, cpu_only: bool) -> dict[str, Any]:
@@ -271,7 +271,7 @@ class Engine:
 
     def load(self, path: Path) -> None:
         """Model + optimizer + this rank's RNG. The files vtrain can check before they are read were checked by the
-        checkpointer (its RNG state, Accelerate's optimizer file: engine/content_state.py)."""
+        checkpointer (its RNG state, Accelerate's optimizer file: engine/checkpoint/content_state.py)."""
         self.accelerator.load_state(str(path / ckpt.ACCELERATE))
 
     def needs_reshard(self, saved_engine: str, saved_world: int) -> bool:

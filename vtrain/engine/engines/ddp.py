@@ -11,7 +11,7 @@ import contextlib
 from typing import Any
 
 from vtrain.engine.engines.base import Engine
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 
 
 class DDPEngine(Engine):

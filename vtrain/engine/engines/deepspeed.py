@@ -2,10 +2,10 @@
 
 DeepSpeed owns backward (it divides by the accumulation count), the step (its own clipping, from the filled
 `gradient_clipping`), precision (its `torch_autocast` mode, or its full bf16/fp16 modes) and its checkpoint files
-(through engine/ds_writes.py). Under ZeRO-3 each rank holds a flat partition of every parameter (`p.ds_tensor`).
+(through engine/engines/ds_writes.py). Under ZeRO-3 each rank holds a flat partition of every parameter (`p.ds_tensor`).
 
 vtrain relies on DeepSpeed internals in a few places: the ZeRO optimizer's norm functions (ds_internals.py: one
-global clip over backbone and sharded head), the engine's checkpoint writes (engine/ds_writes.py), ZeRO-3's
+global clip over backbone and sharded head), the engine's checkpoint writes (engine/engines/ds_writes.py), ZeRO-3's
 persistent parameters (the EMA's swap) and the universal checkpoint converter. `check_installed` refuses, in one
 line at start-up, a DeepSpeed outside the range they were tested on (ds_internals.TESTED, pyproject.toml's range).
 """
@@ -26,20 +26,20 @@ from accelerate.utils import DeepSpeedPlugin
 from safetensors.torch import load_file
 from torch import nn
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.config import OptimConfig
-from vtrain.ds_json import bucket_sizes, stage3_sizes, zero_settings
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import engine_layout
+from vtrain.config.ds_json import bucket_sizes, stage3_sizes, zero_settings
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint import layout as engine_layout
 from vtrain.engine import precision as prec
 from vtrain.engine.compile import compiled_blocks
 from vtrain.engine.ds_ops import announce_builds, quiet_other_ranks
-from vtrain.engine.ds_writes import guarded_save
+from vtrain.engine.engines.ds_writes import guarded_save
 from vtrain.engine.engines.base import Engine, average_buffers, free_port, persistent_buffers
 from vtrain.engine.engines.ds_internals import TESTED, check_version, zero_norm_with_head
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
-from vtrain.safeio import enforce_weights_only
+from vtrain.io.safeio import enforce_weights_only
 
 class DeepSpeedEngine(Engine):
     layout = engine_layout.DEEPSPEED
@@ -65,7 +65,7 @@ class DeepSpeedEngine(Engine):
 
     @classmethod
     def launch_environment(cls, plan: Plan) -> None:
-        enforce_weights_only()  # DeepSpeed's checkpoint types admitted (safeio.py): only a DeepSpeed run imports it
+        enforce_weights_only()  # DeepSpeed's checkpoint types admitted (io/safeio.py): only a DeepSpeed run imports it
         announce_builds()  # DeepSpeed's C++ ops compiled on first use: a line before and after (ds_ops.py)
         quiet_other_ranks()  # torch's and DeepSpeed's start-up warnings once, from rank 0
         if "RANK" not in os.environ:

@@ -1,7 +1,7 @@
 """The DeepSpeed internals vtrain patches, and the versions they were tested on.
 
 `zero_norm_with_head` shadows a ZeRO optimizer's norm function for one step (the sharded head's share of the global
-clip norm); engine/ds_writes.py routes the DeepSpeed engine's checkpoint writes through the guarded writer. Both rely
+clip norm); engine/engines/ds_writes.py routes the DeepSpeed engine's checkpoint writes through the guarded writer. Both rely
 on members DeepSpeed does not document as public, read in DeepSpeed 0.19.8 (deepspeed/runtime/zero/stage_1_and_2.py,
 stage3.py, engine.py) and checked against the installed version by tests (tests/test_partial_fc.py,
 tests/test_ranks.py). A run refuses another DeepSpeed at start-up, in one line (`check_version`, called by the

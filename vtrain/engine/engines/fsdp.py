@@ -1,4 +1,4 @@
-"""FSDP2, applied by vtrain itself (`fully_shard` per block and root: engine/fsdp.py), on CPU and GPU alike.
+"""FSDP2, applied by vtrain itself (`fully_shard` per block and root: engine/engines/fsdp_units.py), on CPU and GPU alike.
 
 Accelerate skips FSDP on CPU processes, so this engine never goes through `accelerator.prepare`: the model is
 sharded in `shard` (before the optimizer exists, which must see the DTensor parameters), the step is the base
@@ -20,14 +20,14 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content_state, engine_layout
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine.checkpoint import content_state, layout as engine_layout
 from vtrain.engine.engines.base import Engine, average_buffers, free_port
-from vtrain.engine.fsdp import apply_fsdp2
+from vtrain.engine.engines.fsdp_units import apply_fsdp2
 from vtrain.engine.head_shard import ShardedHead
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
-from vtrain.safeio import check_dcp, dcp_refusals
+from vtrain.io.safeio import check_dcp, dcp_refusals
 
 
 class FSDP2Engine(Engine):

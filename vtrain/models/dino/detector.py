@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import box_convert
 
-from vtrain.models.checkpointing import apply_spec, backbone_units
+from vtrain.models.recompute_units import apply_spec, backbone_units
 from vtrain.models.lean import autocast_input, lean_norm
 from vtrain.models.dino.criterion import dino_loss
 from vtrain.models.dino.denoising import build_denoising

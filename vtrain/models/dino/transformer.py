@@ -3,7 +3,7 @@
 Sizes and constants follow the recipe in docs/dino.md §1 (6+6 layers, 256-d, 8 heads, 4 points,
 FFN 2048, dropout 0, sine positions with temperature 20, 900 queries). Blocks are named `...Block` so the
 engine's per-block FSDP2 sharding finds them; each layer is one recompute unit (`encoder.N`, `decoder.N`,
-models/checkpointing.py), checkpointed on the block itself.
+models/recompute_units.py), checkpointed on the block itself.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vtrain.models.checkpointing import recompute_mode, set_recompute
+from vtrain.models.recompute_units import recompute_mode, set_recompute
 from vtrain.models.dino.msda import MSDeformAttn
 from vtrain.models.chunked_mlp import residual_mlp
 from vtrain.models.lean import autocast_input, relu_single_use, remat_in_checkpoint
@@ -169,7 +169,7 @@ class DecoderBlock(nn.Module):
 
 class _Layers(nn.Module):
     """A stack of blocks whose `grad_ckpt` switches full checkpointing of every layer (the units `encoder.N` /
-    `decoder.N` one by one: models/checkpointing.py)."""
+    `decoder.N` one by one: models/recompute_units.py)."""
 
     layers: nn.ModuleList
 

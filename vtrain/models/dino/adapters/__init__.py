@@ -24,7 +24,7 @@ import torch
 from vtrain.config.model import MAX_QUERIES
 from vtrain.errors import shown
 from vtrain.models.formats import AdapterError, need
-from vtrain.records import MAX_CATEGORIES
+from vtrain.io.records import MAX_CATEGORIES
 
 def coco_categories() -> list[dict[str, Any]]:
     """The 80 COCO 2017 detection categories (id, name) in id order, from coco_categories.json (its source in

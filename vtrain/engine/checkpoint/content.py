@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from vtrain.config import RunConfig
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.errors import VtrainError
 from vtrain.models.backbones import read_state_dict
 from vtrain.presets import DINO_PRESETS

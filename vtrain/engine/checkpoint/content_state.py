@@ -4,7 +4,7 @@ generators' states. Weights prove nothing about these: a moment of another shape
 the first update, a NaN or negative second moment turns the weights to NaN a few steps later, and a malformed RNG
 file is skipped by Accelerate without a word. A problem is one line naming the file, the tensor and what was
 expected and found. Where each check runs (before the engine reads a file, or on the state once loaded) is the
-checkpointer's (engine/checkpointer.py) and the engine's (engine/engines/) business.
+checkpointer's (engine/checkpoint/checkpointer.py) and the engine's (engine/engines/) business.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from vtrain.engine.content import ContentError, Found, Spec, Want, located, compare, nonfinite
+from vtrain.engine.checkpoint.content import ContentError, Found, Spec, Want, located, compare, nonfinite
 from vtrain.errors import shown
 
 ADAM = {"exp_avg": None, "exp_avg_sq": 0.0, "max_exp_avg_sq": 0.0}
@@ -128,7 +128,7 @@ def expect_rng_state(file: Path, flag: str) -> None:
     """Accelerate's random_states_<rank>.pkl, checked before Accelerate reads it: its load_state restores the
     states inside `except Exception: "Could not load random states"`, so a malformed file would let a resumed run
     continue silently with other random numbers. Read weights-only (Accelerate's loader, which admits numpy's
-    array types; a refused pickle is one line, safeio.py); the torch CPU state against the live generator's
+    array types; a refused pickle is one line, io/safeio.py); the torch CPU state against the live generator's
     (`Want`), then each state is restored into a fresh generator of its kind (Python's `random.Random`, numpy's
     `RandomState`, a `torch.Generator`), which checks it without touching this process's own."""
     import random

@@ -1,33 +1,10 @@
+"""Learning-rate schedules and parameter groups (vtrain/engine/optim.py)."""
+
 import pytest
 
 from vtrain.config import OptimConfig
-from vtrain.data.sampler import ShardedEpochSampler
 from vtrain.engine.optim import lr_lambda, param_groups
 from vtrain.models.metric import MetricModel
-
-
-def test_ranks_see_disjoint_samples_covering_the_usable_epoch():
-    s = [ShardedEpochSampler(103, 4, rank=r, world_size=3, seed=7) for r in range(3)]
-    idx = [[i for _, i in x] for x in s]
-    assert all(len(i) == 32 for i in idx)  # 103 // 12 = 8 batches of 4 per rank
-    assert not set(idx[0]) & set(idx[1]) and not set(idx[1]) & set(idx[2])
-    assert len(set().union(*idx)) == 96
-
-
-def test_position_resume_and_epoch_reshuffle():
-    s = ShardedEpochSampler(50, 5, seed=1)
-    full = list(s)
-    s.set_position(0, 3)
-    assert list(s) == full[15:]
-    s.set_position(1, 0)
-    assert [i for _, i in s] != [i for _, i in full] and all(e == 1 for e, _ in s)
-
-
-def test_accumulation_split_sees_the_same_samples_per_step():
-    # batch 4 x accum 2 and batch 8 x accum 1 put the same samples in each optimizer step on each rank
-    a = ShardedEpochSampler(64, 4, rank=1, world_size=2, seed=3)
-    b = ShardedEpochSampler(64, 8, rank=1, world_size=2, seed=3)
-    assert [i for _, i in a][:16] == [i for _, i in b][:16]
 
 
 def test_schedules():
@@ -58,7 +35,7 @@ def test_param_groups_no_decay_and_backbone_multiplier():
 
 def test_a_resume_names_a_changed_face_head_training():
     from vtrain.config import ModelConfig, RunConfig
-    from vtrain.engine.resume_settings import head_notes
+    from vtrain.engine.checkpoint.resume_settings import head_notes
 
     def cfg(**model):
         return RunConfig(task="metric", model=ModelConfig(head_parallel="sharded", **model))

@@ -9,12 +9,12 @@ the files its manifest lists: a directory without a manifest, another run's chec
 inside a checkpoint is never deleted. Only real folders are this run's checkpoints: a `step_<N>` that is a
 symbolic link or a mount point (a bind mount of an archive or another run) is never read as one, pruned or deleted,
 and a listed file that is a link or a mount point (or lies below one) is left alone when pruning and fails
-verification (vtrain/guarded.py). Every field of the JSON files is checked when
-read (vtrain/records.py). Rank 0 alone renames, prunes and writes shared files; every rank writes its own shards
+verification (vtrain/io/guarded.py). Every field of the JSON files is checked when
+read (vtrain/io/records.py). Rank 0 alone renames, prunes and writes shared files; every rank writes its own shards
 (DeepSpeed, FSDP2) into the same temp dir (a shared filesystem across nodes is assumed).
 
 This module is the format: every layout name (below), the manifest, `TrainState` (train_state.json), verify, prune
-and find. Which rank writes and reads what, and when, is engine/checkpointer.py's.
+and find. Which rank writes and reads what, and when, is engine/checkpoint/checkpointer.py's.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.errors import VtrainError
-from vtrain.files import digest, fsync_dir, write_json_atomic
-from vtrain.records import (MAX_COUNT, Record, RecordError, categories, ema_state, read_json, scaler_state,
+from vtrain.io.files import digest, fsync_dir, write_json_atomic
+from vtrain.io.records import (MAX_COUNT, Record, RecordError, categories, ema_state, read_json, scaler_state,
                             scheduler_state)
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -51,7 +51,7 @@ DS_TAG = "pytorch_model"  # the DeepSpeed checkpoint tag Accelerate's save_state
 FSDP = "fsdp"  # FSDP2: model and optimizer as a torch distributed checkpoint
 HEAD = "head"  # --head-parallel sharded: one file per rank's class range (engine/head_shard.py)
 CATEGORIES = "categories.json"  # detection: class ids and names in label order, for `vtrain predict`
-BEST = "best.json"  # --keep-best, in CHECKPOINTS beside the step dirs (engine/best.py)
+BEST = "best.json"  # --keep-best, in CHECKPOINTS beside the step dirs (engine/checkpoint/best.py)
 UNIVERSAL = "universal"  # <output>/universal/step_<N>/: a ZeRO checkpoint converted for another world size
 TENSORBOARD = "tensorboard"  # <output>/tensorboard/: event files (--report-to tensorboard)
 ENGINES = ("single", "ddp", "fsdp", "deepspeed")  # TrainState.engine: the parallel engine that wrote it

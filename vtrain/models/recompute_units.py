@@ -6,7 +6,7 @@ vtrain/recompute.py) -> the blocks that unit checkpoints, each on its own. Check
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; the selective mode passes a `context_fn` from
 `create_selective_checkpoint_contexts` whose policy keeps matrix-product outputs (SAVED_OPS) and recomputes the
 rest. The block's own `__call__` hooks stay outside the checkpoint, as with torch's `checkpoint_wrapper`; this
-is what lets FSDP2 (one `fully_shard` per block, engine/fsdp.py: the same blocks) gather parameters before the
+is what lets FSDP2 (one `fully_shard` per block, engine/engines/fsdp_units.py: the same blocks) gather parameters before the
 recomputation, and DeepSpeed ZeRO-3 gathers them in the hooks of the block's submodules, which the recomputation
 calls again. A block therefore must hold no parameters of its own (checked).
 
@@ -37,7 +37,7 @@ SAVED_OPS = frozenset({
     "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_efficient_attention_forward", "aten::_flash_attention_forward", "vtrain::ms_deform_attn",
 })
-_BLOCK_SUFFIXES = ("Block", "Bottleneck", "BasicBlock")  # engine/fsdp.py shards the same blocks
+_BLOCK_SUFFIXES = ("Block", "Bottleneck", "BasicBlock")  # engine/engines/fsdp_units.py shards the same blocks
 
 
 def sac_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -14,9 +14,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 from vtrain.errors import VtrainError
-from vtrain.records import Record, RecordError, read_json
+from vtrain.io.records import Record, RecordError, read_json
 
 ALIASES = {"acc": "balanced_accuracy", "accuracy": "balanced_accuracy"}
 LOWER_IS_BETTER = ("loss", "error", "err", "eer", "far_achieved")

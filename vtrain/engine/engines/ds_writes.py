@@ -12,7 +12,7 @@ engine's `save` and `makedirs` (DeepSpeed's `CheckpointEngine`, the abstraction 
 copy of the recovery scripts, and `latest`, which DeepSpeed is told not to write (`save_latest=False`) and which is
 written here once its save has returned. The first failed write is kept as one line naming its file and the rest
 are skipped, while every collective still runs on every rank; it is raised when the save is over, and the
-checkpointer agrees on it with the other ranks (checkpointer.py `_stage`).
+checkpointer agrees on it with the other ranks (checkpoint/checkpointer.py `_stage`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.errors import VtrainError
 
 # the engine's methods that write, patched on the instance for one save (checked by tests/integration/test_ranks.py against the

@@ -1,6 +1,6 @@
 """The training settings a resumed run changes from its checkpoint's: each one is applied, and said in one log line,
 so that the new run's config.yaml is what the run uses (what cannot change, the model, is refused earlier:
-engine/content.py).
+engine/checkpoint/content.py).
 
 What a checkpoint would otherwise put back over this run's settings, silently:
 - torch's `Optimizer.load_state_dict` (and DeepSpeed's) takes every parameter group's settings from the file: lr,

@@ -3,7 +3,7 @@
 Each class (engine/engines/) applies its parallelism and precision to the built model and runs the step; the
 Trainer, the checkpointer, the EMA and the sharded head call the same methods whatever the engine. DDP and DeepSpeed
 go through Accelerate (`accelerator.prepare`); FSDP2 is applied with torch's `fully_shard` because Accelerate skips
-it on CPU processes. The Accelerator the engine runs on is built by engine/accelerator.py, from the class's own
+it on CPU processes. The Accelerator the engine runs on is built by engine/engines/accelerator.py, from the class's own
 settings.
 """
 
@@ -15,7 +15,7 @@ from vtrain.engine.engines.base import Engine
 from vtrain.engine.engines.ddp import DDPEngine, SingleProcessEngine
 from vtrain.engine.engines.deepspeed import DeepSpeedEngine
 from vtrain.engine.engines.fsdp import FSDP2Engine
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 
 ENGINES: dict[str, type[Engine]] = {"single": SingleProcessEngine, "ddp": DDPEngine, "fsdp": FSDP2Engine,
                                     "deepspeed": DeepSpeedEngine}

@@ -3,7 +3,7 @@
 Sources: vtrain's config (flags / YAML) and the environment `accelerate launch` sets from an accelerate config
 file (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_USE_FSDP, FSDP_*). The plan is
 checked against what is really active after `prepare` (the engine's `verify`); `kind` picks the engine class
-(engine/parallel.py), once.
+(engine/engines/build.py), once.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from vtrain.config import RunConfig
-from vtrain.engine.ds_config import ds_config_source, env_true, fill_for, world_size_from_env
+from vtrain.engine.engines.ds_config import ds_config_source, env_true, fill_for, world_size_from_env
 from vtrain.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 """What each engine keeps of its own in a vtrain checkpoint, described once.
 
-Every engine writes the same shared files (model.safetensors, train_state.json, ...: engine/checkpoint.py); beside
+Every engine writes the same shared files (model.safetensors, train_state.json, ...: checkpoint/format.py); beside
 them each keeps its own copy of model and optimizer in its own format. The engine classes (engine/engines/) carry
 their layout, and whoever reads a checkpoint asks the layout of the engine that wrote it (`train_state.json`'s
 `engine`) instead of testing the engine's name: the checkpointer, to refuse a resume across engines and to check
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vtrain.engine import checkpoint as ckpt
+from vtrain.engine.checkpoint import format as ckpt
 
 
 @dataclass(frozen=True)

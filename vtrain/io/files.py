@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.errors import VtrainError
 
 

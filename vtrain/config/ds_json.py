@@ -1,7 +1,7 @@
 """A user's DeepSpeed JSON, read and understood without DeepSpeed, in one place: reading the file, checking its
 structure (what config validation needs before start-up) and what its ZeRO and precision sections say (for the
 launch plan and for `estimate-memory`). Filling the values vtrain owns into it is the engine's job
-(engine/ds_config.py), at launch."""
+(engine/engines/ds_config.py), at launch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vtrain.errors import ConfigError, shown
-from vtrain.records import loads
+from vtrain.io.records import loads
 
 DEEPSPEED_BUCKET = 5e8  # DeepSpeed's own reduce/allgather bucket default, in elements (docs/memory_ckpt.md §2.2)
 DS_CONFIG_UNREADABLE = "--ds-config: {path} is not valid JSON ({error})"  # read_json's message for --ds-config

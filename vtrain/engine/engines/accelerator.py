@@ -2,7 +2,7 @@
 
 vtrain applies precision and FSDP2 itself (engine/engines/), so Accelerate gets `mixed_precision="no"` and never
 wraps the model in FSDP; what it does own is the launch environment, DDP and the DeepSpeed engine. What differs by
-engine is asked of the plan's engine class (engine/parallel.py), never tested here.
+engine is asked of the plan's engine class (engine/engines/build.py), never tested here.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from vtrain.engine.parallel import engine_class
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.build import engine_class
+from vtrain.engine.engines.plan import Plan
 
 
 def quiet_libraries() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from vtrain import recompute
 from vtrain.config import RunConfig
-from vtrain.ds_json import DS_CONFIG_UNREADABLE, check_structure, enabled, explicit_16bit, read_json, zero_settings
+from vtrain.config.ds_json import DS_CONFIG_UNREADABLE, check_structure, enabled, explicit_16bit, read_json, zero_settings
 from vtrain.errors import ConfigError
 
 
@@ -69,7 +69,7 @@ def fill_for(cfg: RunConfig, raw: dict[str, Any], source: str | None, world: int
 
 
 def check_ds_config(cfg: RunConfig) -> None:
-    """The DeepSpeed JSON against the flags, as start-up fills it (engine/plan.py), before torch is imported: a
+    """The DeepSpeed JSON against the flags, as start-up fills it (engine/engines/plan.py), before torch is imported: a
     contradiction is one line at once. `--mixed-precision auto` is taken as bf16 here (plan.py asks the GPU)."""
     raw, source = ds_config_source(cfg)
     if raw is not None:

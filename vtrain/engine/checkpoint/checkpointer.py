@@ -1,6 +1,6 @@
 """The checkpoint protocol of a training run: what to resume, the write sequence and the read sequence.
 
-checkpoint.py is the format (layout names, manifest, verify, prune, find); this module decides which rank does
+format.py is the format (layout names, manifest, verify, prune, find); this module decides which rank does
 what, and when. As torchtitan's `components/checkpoint.py` (CheckpointManager), the Trainer builds the run and hands
 over what a checkpoint holds: the engine (model, optimizer, per-rank RNG), the sharded head, the EMA, the scheduler,
 and the loop itself, whose `state_dict()` / `load_state_dict()` is its part of `train_state.json`
@@ -10,13 +10,13 @@ Every method here that says "Collective" runs the same collectives and barriers 
 that order is part of the protocol (a rank that skips or reorders one hangs or desyncs the run), so a change here
 is a change to every rank at once. Hardening, and where later hardening goes:
 - symlinked checkpoints are never pruned or deleted: checkpoint.prune / checkpoint.remove (the format), through
-  vtrain/guarded.py;
+  vtrain/io/guarded.py;
 - a full disk (or a read-only or vanished folder) during a save: `_stage` runs every write into the staging
   folder through `guarded.Writes`, so a rank whose write failed still joins every collective of the save; the
   ranks then agree on the outcome, rank 0 removes the staging folder and every rank stops with one error line
   naming the path and the operation (`_abandon`). The manifest and the rename (`_commit`) are agreed the same way;
 - validating every tensor read on resume: `load` is the one read sequence; `_check_and_read` checks the recorded
-  model and every file of tensors (engine/content.py), Accelerate's optimizer file and this rank's RNG state
+  model and every file of tensors (engine/checkpoint/content.py), Accelerate's optimizer file and this rank's RNG state
   before the engine reads any, all ranks agreeing; what vtrain does not parse before loading (DeepSpeed's
   optimizer partitions, DCP's values) is checked once loaded (`_check_optimizer_state`).
 """
@@ -24,24 +24,26 @@ is a change to every rank at once. Hardening, and where later hardening goes:
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from vtrain import guarded
+from vtrain.io import guarded
 from vtrain.config import RunConfig, load_run_config
 from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
-from vtrain.engine import checkpoint as ckpt
-from vtrain.engine import content, content_state, engine_layout, faults, resume_settings
-from vtrain.engine.best import BestKeeper
+from vtrain.engine.checkpoint import format as ckpt
+from vtrain.engine import faults
+from vtrain.engine.checkpoint import content, content_state, layout as engine_layout, resume_settings
+from vtrain.engine.checkpoint.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.head_shard import ShardedHead
 from vtrain.engine.engines.base import Engine
-from vtrain.engine.plan import Plan
+from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
-from vtrain.files import digest_share
+from vtrain.io.files import digest_share
 
 
 class Stateful(Protocol):
@@ -50,11 +52,33 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run continues from, chosen once (`Checkpointer.choose`) and passed where it is needed: the
+    Trainer reads its step and saved config, `Checkpointer.load` restores it once after `prepare`."""
+
+    path: Path
+    """The checkpoint folder, verified on every rank."""
+    state: ckpt.TrainState
+    """Its train_state.json, read and checked."""
+    config: RunConfig | None
+    """The config it recorded (None: a checkpoint of vtrain <= 0.1, without one)."""
+    run_id: str
+    """Its lineage (the manifest's run id; "" for a checkpoint without one)."""
+    reshard: bool
+    """Loaded through the engine's reshard route (a ZeRO checkpoint of another world size), configured by `choose`
+    before the engine is prepared."""
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+
 class Checkpointer:
     """Owns saving, resuming (choosing the checkpoint, the lineage, the engine's reshard route), and, through
-    checkpoint.commit, pruning and the --keep-best record. Use: `choose` (before the model is built), `route` (with
-    the engine, before `prepare`: the reshard route is configured then), `attach` (after `prepare`), then `load`
-    once, `save` at every checkpoint step."""
+    format.commit, pruning and the --keep-best record. Use: `choose` (with the engine, before the model is built:
+    it returns the run's ResumePoint and configures the reshard route, which must be set before `prepare`),
+    `attach` (after `prepare`), then `load(point)` once, `save` at every checkpoint step."""
 
     def __init__(self, cfg: RunConfig, plan: Plan, accelerator: Accelerator) -> None:
         self.cfg, self.plan, self.accelerator = cfg, plan, accelerator
@@ -62,38 +86,41 @@ class Checkpointer:
         self.out = Path(cfg.train.output_dir)
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.is_main = accelerator.is_main_process
-        self.resume_from: Path | None = None
-        self.resume_state: ckpt.TrainState | None = None
         self.run_id = ""
         """The lineage: pruning deletes only checkpoints carrying this id; a resumed run keeps its checkpoint's."""
         self.best: BestKeeper | None = None
         # what a checkpoint holds, handed over by `attach`
         self.loop: Stateful | None = None
         self.engine: Engine | None = None
-        self.reshard = False
-        """The checkpoint is loaded through the engine's reshard route (a ZeRO checkpoint of another world size)."""
         self.scheduler: Any = None
         self.head: ShardedHead | None = None
         self.ema: WeightEMA | None = None
         self.dataset: Any = None
 
     # ---- what to resume ------------------------------------------------------------------------------------------
-    def choose(self) -> list[str]:
-        """The checkpoint to continue from (--resume), verified on all ranks, its train state, and the run's lineage
-        (a new run id agreed from rank 0). Returns notes for the log. Collective."""
-        self.resume_from, notes = self._verified_candidate()
-        manifest = None
-        if self.resume_from is not None:
-            self.resume_state = ckpt.TrainState.read(self.resume_from)
-            manifest = ckpt.read_manifest(self.resume_from)
+    def choose(self, engine: Engine) -> tuple[ResumePoint | None, list[str]]:
+        """The checkpoint to continue from (--resume), verified on all ranks, as one ResumePoint (None: a fresh
+        run), and the run's lineage (the checkpoint's, else a new run id agreed from rank 0). A ZeRO checkpoint of
+        another world size, which DeepSpeed's own loader refuses, takes `engine`'s reshard route (its universal
+        format), configured now: it must be before the engine is prepared. Returns the point and notes for the log.
+        Collective."""
+        path, notes = self._verified_candidate()
+        point = None
+        if path is not None:
+            state = ckpt.TrainState.read(path)
+            manifest = ckpt.read_manifest(path)
             # the model it records against this run's, before anything is built or written (the class count is
             # compared in `load`, once the data is read)
-            broadcast_from_main(lambda: self._same_model(self.resume_from, None))
-        self.run_id = (manifest.run_id if manifest is not None and manifest.run_id else None) or \
-            broadcast_from_main(lambda: uuid.uuid4().hex)
+            broadcast_from_main(lambda: self._same_model(path, None))
+            saved = load_run_config(path / ckpt.CONFIG) if (path / ckpt.CONFIG).is_file() else None
+            point = ResumePoint(path, state, saved, manifest.run_id or "",
+                                engine.needs_reshard(state.engine, state.world_size))
+            if point.reshard:
+                engine.use_reshard_route()
+        self.run_id = (point.run_id if point is not None else "") or broadcast_from_main(lambda: uuid.uuid4().hex)
         keep_best = self.cfg.train.keep_best
         self.best = BestKeeper(self.out, keep_best, self.run_id) if keep_best else None
-        return notes
+        return point, notes
 
     def _verified_candidate(self) -> tuple[Path | None, list[str]]:
         """The one --resume names, or for `auto` the newest checkpoint in the output directory that verifies
@@ -118,24 +145,6 @@ class Checkpointer:
                               f"newest: {notes[0].split('(', 1)[1][:-1]}")
         return None, notes
 
-    def saved_config(self) -> RunConfig | None:
-        """The config the checkpoint to resume recorded (None: a fresh run, or a checkpoint without one)."""
-        path = None if self.resume_from is None else self.resume_from / ckpt.CONFIG
-        return load_run_config(path) if path is not None and path.is_file() else None
-
-    @property
-    def resume_step(self) -> int:
-        return self.resume_state.step if self.resume_state is not None else 0
-
-    def route(self, engine: Engine) -> None:
-        """Before `prepare`: whether the checkpoint to resume takes the engine's reshard route (a ZeRO checkpoint of
-        another world size, which DeepSpeed's own loader refuses, goes through its universal format), which must be
-        configured before the engine is prepared."""
-        s = self.resume_state
-        self.reshard = s is not None and engine.needs_reshard(s.engine, s.world_size)
-        if self.reshard:
-            engine.use_reshard_route()
-
     def newest(self) -> Path | None:
         """This lineage's newest complete checkpoint, if any."""
         found = ckpt.complete_checkpoints(self.out, self.run_id)
@@ -150,18 +159,18 @@ class Checkpointer:
         self.head, self.ema, self.dataset = head, ema, dataset
 
     # ---- the read sequence ---------------------------------------------------------------------------------------
-    def load(self) -> list[str]:
-        """Restore the run from `resume_from`. First what the checkpoint holds is checked against this run (the model
+    def load(self, point: ResumePoint) -> list[str]:
+        """Restore the run from `point`. First what the checkpoint holds is checked against this run (the model
         it records, then the tensors of every file this rank reads) and the head rows and the EMA are read, all ranks
         agreeing on the outcome; then engine state (model, optimizer, RNG), schedule, the loop's counters, loss
         scaler, best. Returns notes for the log. Collective under DeepSpeed and FSDP2."""
-        path, state = self.resume_from, self.resume_state
-        assert path is not None and state is not None and self.engine is not None
+        path, state = point.path, point.state
+        assert self.engine is not None
         notes: list[str] = []
         # no collective inside: a bad file only one rank reads (its head shard) stops every rank with one line
-        agreed(lambda: self._check_and_read(path, state, notes))
+        agreed(lambda: self._check_and_read(point, notes))
         mine = resume_settings.run_settings(self.engine, self.scheduler)  # before the checkpoint replaces them
-        if self.reshard:
+        if point.reshard:
             self.engine.load_resharded(path, self.out)  # the engine's reshard route (DeepSpeed: universal)
         else:
             self.engine.load(path)
@@ -175,8 +184,7 @@ class Checkpointer:
         self.scheduler.load_state_dict(state.scheduler)
         # this run's LRs, weight decay and betas where the checkpoint's replaced them, each change said in the log
         # (LambdaLR.load_state_dict leaves the optimizer alone: the LRs are set here)
-        saved_cfg = load_run_config(path / ckpt.CONFIG) if (path / ckpt.CONFIG).is_file() else None
-        notes += resume_settings.apply(mine, self.engine, self.scheduler, saved_cfg, self.cfg, state, self.world)
+        notes += resume_settings.apply(mine, self.engine, self.scheduler, point.config, self.cfg, state, self.world)
         self.loop.load_state_dict(state.to_json())
         if state.world_size != self.world:
             notes.append(f"resharded: saved by {state.world_size} processes, resumed on {self.world}")
@@ -206,13 +214,14 @@ class Checkpointer:
         content.same_model(content.describe(saved_cfg, saved_classes), content.describe(self.cfg, classes),
                            f"--resume: {path}")
 
-    def _check_and_read(self, path: Path, state: ckpt.TrainState, notes: list[str]) -> None:
+    def _check_and_read(self, point: ResumePoint, notes: list[str]) -> None:
         """The checkpoint's recorded model against this run's (one line saying both), the engine and optimizer
         layout, then every file of tensors this rank reads, each against this run's model (content.py), before the
         engine reads any; the head rows and the EMA are read here. No collective: `load` agrees on the outcome."""
+        path, state = point.path, point.state
         classes = self.dataset.num_classes
         self._same_model(path, classes)
-        layout = self.engine.layout  # one process is DDP of one: the same layout (engine_layout.py)
+        layout = self.engine.layout  # one process is DDP of one: the same layout (layout.py)
         if engine_layout.OF_ENGINE[state.engine] is not layout:
             raise VtrainError(f"--resume: {path} was saved with {state.engine}, this run uses {self.plan.kind}")
         # the optimizer state is per parameter group, and --layer-decay changes the groups: say so before the
@@ -224,7 +233,7 @@ class Checkpointer:
                               "from its weights with --resume-weights-only")
         spec = content.model_spec(self.cfg, classes)
         read = [path / layout.model_file] if layout.model_file else []  # the engine's own file vtrain can read
-        if self.reshard:
+        if point.reshard:
             read.append(path / ckpt.MODEL)  # its buffers and frozen parameters (engines/deepspeed.py)
         for f in read:
             if f.is_file():
@@ -232,7 +241,7 @@ class Checkpointer:
         if layout.optimizer_file and (path / layout.optimizer_file).is_file():
             content_state.expect_optimizer(path / layout.optimizer_file, self.engine.optimizer_groups(), "--resume")
         rng = path / ckpt.ACCELERATE / f"random_states_{self.rank}.pkl"  # Accelerate's name
-        if not self.reshard and rng.is_file():  # the universal route restores no RNG state
+        if not point.reshard and rng.is_file():  # the universal route restores no RNG state
             content_state.expect_rng_state(rng, "--resume")
         if self.head is not None:
             self.head.load(path)  # this run's rows, re-split for its number of processes, checked as read

@@ -199,7 +199,7 @@ def categories(items: Any, where: str) -> list[dict[str, Any]]:
     return items
 
 
-# ---- the states vtrain stores in a checkpoint's train_state.json (engine/checkpoint.py: TrainState) ----------------
+# ---- the states vtrain stores in a checkpoint's train_state.json (engine/checkpoint/format.py: TrainState) ----------------
 
 SCHEDULER_KEYS = ("base_lrs", "last_epoch", "_step_count", "_is_initial", "_get_lr_called_within_step", "_last_lr",
                   "lr_lambdas", "verbose")
