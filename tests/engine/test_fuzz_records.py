@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.helpers.fuzz import contract, corrupt, dumps, mutate
-from vtrain.engine import best
+from vtrain.engine.checkpoint import best
 from vtrain.engine.checkpoint import format as ckpt
 
 pytestmark = pytest.mark.fuzz
