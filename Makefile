@@ -39,7 +39,7 @@ demo: $(STAMP)
 		--log-every 25 --eval-every 150 --save-every 150 --keep-last 2
 	@echo "[2/5] face recognition: vtrain eval of the last checkpoint (held-out identities and heldout.bin) ..."
 	$(VENV)/bin/vtrain eval --checkpoint runs/demo --data demo
-	@echo "[3/5] detection: training DINO (debug-resnet) from scratch on the demo shapes, $(DEMO_DINO_STEPS) steps (CPU, several minutes) ..."
+	@echo "[3/5] detection: training DINO (demo-resnet) from scratch on the demo shapes, $(DEMO_DINO_STEPS) steps (CPU, several minutes) ..."
 	rm -rf runs/demo-dino
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/vtrain train $(DEMO_DINO_FLAGS) --output-dir runs/demo-dino \
 		--deterministic --threads 1
