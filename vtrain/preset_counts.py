@@ -23,6 +23,7 @@ COUNTS: dict[str, dict[str, tuple[int, int]]] = {
     'dino': {
         'debug': (1229607, 1660323),
         'debug-resnet': (4922488, 5529332),
+        'demo-resnet': (1232252, 1695736),
         'swin-l': (195201204, 218332800),
         'swin-l-4scale': (195200820, 217986432),
         'swin-b': (86880120, 108256708),
