@@ -69,7 +69,8 @@ class Section:
         silently ignored. Each section's checks start with this one (a list or a number is not text)."""
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            if isinstance(value, str) and not value.strip():
+            # a list field given as one string (`--val-targets ''`, `--grad-ckpt ''`) may be empty: no items
+            if isinstance(value, str) and not value.strip() and not str(f.type).startswith("list"):
                 fail(type(self), f.name, f"must not be empty, got {value!r} (an unset shell variable?); leave the "
                      "option out for its default")
 
