@@ -26,19 +26,24 @@ def optimizer_grouping(optim: OptimConfig) -> Grouping:
     return lambda model: [g["params"] for g in param_groups(model, optim)]
 
 
-class _TouchedRows(TorchDispatchMode):
-    """The head's update on fake tensors: `touched.nonzero()` gives the rows a step touches (their number is
-    known: every row, or with sampling int(R x rows)), and the finiteness checks pass."""
+class _SampledStep(TorchDispatchMode):
+    """The head's update on fake tensors: the finiteness checks pass, and the sampled rows' step counts (all equal
+    in a fresh head) are one run of `rows` rows: `_step_rows` reads `torch.unique_consecutive`'s values and counts
+    with `.tolist()`, in that order (1, then `rows`)."""
 
     def __init__(self, rows: int) -> None:
         super().__init__()
-        self.rows = rows
+        self.rows, self.scalars = rows, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is aten.nonzero.default:
-            return torch.zeros(self.rows, args[0].dim(), dtype=torch.long, device=args[0].device)
-        if func in (aten._local_scalar_dense.default, aten.is_nonzero.default):
+        if func is aten.unique_consecutive.default:
+            self.scalars = [1, self.rows]
+            return (torch.ones(1, dtype=args[0].dtype), torch.empty(0, dtype=torch.long),
+                    torch.ones(1, dtype=torch.long))
+        if func is aten._local_scalar_dense.default:
+            return self.scalars.pop(0) if self.scalars else True
+        if func is aten.is_nonzero.default:
             return True
         return func(*args, **kwargs)
 
@@ -49,26 +54,46 @@ def head_step_bytes(setup: Setup, optim: OptimConfig | None = None) -> int:
     if not setup.sharded_head:
         return 0
     cfg = build_config("metric", overrides={"model": {"embedding_dim": setup.embedding_dim, "head_parallel": "sharded",
-                                                      "sample_rate": setup.sample_rate}})
+                                                      "sample_rate": setup.sample_rate,
+                                                      "head_update": setup.head_update}})
     if optim is not None:
         cfg.optim = optim
     # built on the meta device, then materialised under fake tensors (as memory/trace.py does with the model): its
-    # parameters, buffers and every tensor it keeps of its own (AdamW's moments, the row step counts)
+    # parameters, buffers and every tensor it keeps of its own (AdamW's moments, the row step counts, dense's
+    # gradient buffer)
     head = ShardedHead(cfg, setup.num_classes, 0, setup.gpus, torch.device("meta"))
     with FakeTensorMode(allow_non_fake_inputs=True):
         head.fc.to_empty(device="cpu")
         for name, t in list(vars(head).items()):
             if isinstance(t, torch.Tensor) and t.is_meta:
                 setattr(head, name, torch.zeros(t.shape, dtype=t.dtype))
-        w = head.fc.weight
-        w.grad = torch.zeros_like(w)
-        rows = head.fc.num_local if setup.sample_rate >= 1 else min(head.fc.num_local,
-                                                                    int(setup.sample_rate * head.fc.num_local))
-        existing = [w, w.grad, head.exp_avg, head.exp_avg_sq, head.row_steps, head.fc.touched]
+        existing = [head.fc.weight, head.exp_avg, head.exp_avg_sq, head.row_steps]
+        existing += [head._dense_grad] if head._dense_grad is not None else []
+        rows = sampled_rows(head.fc.num_local, setup.sample_rate)
+        existing += _one_steps_gradient(head, rows, setup.sample_rate >= 1)
         tracker = LiveBytes(existing, granularity=setup.granularity)
-        with tracker, _TouchedRows(rows):
+        with tracker, _SampledStep(rows):
             head.step(1.0, torch.ones(()), cfg.optim.clip_grad)
     return tracker.peak(set())
+
+
+def sampled_rows(num_local: int, sample_rate: float) -> int:
+    """The rows one step samples of a shard of `num_local` (models/partial_fc.py: int(R x rows), positives included)."""
+    return num_local if sample_rate >= 1 else min(num_local, int(sample_rate * num_local))
+
+
+def _one_steps_gradient(head: ShardedHead, rows: int, full: bool) -> list[torch.Tensor]:
+    """The head's gradient as one step leaves it (models/partial_fc.py `rows`): the weight's own (the full
+    softmax), else the sampled rows as their own leaf with its gradient; returns those tensors."""
+    w = head.fc.weight
+    if full:
+        w.grad = torch.zeros_like(w)
+        return [w.grad]
+    index = torch.arange(rows)
+    leaf = torch.zeros(rows, w.shape[1], requires_grad=True)
+    leaf.grad = torch.zeros(rows, w.shape[1])
+    head.fc.pending.append((index, leaf))
+    return [index, leaf, leaf.grad]
 
 
 def run_facts(setup: Setup, optim: OptimConfig | None = None) -> ModelFacts:
