@@ -23,6 +23,14 @@ from vtrain.memory.trace import StepTrace, trace
 from vtrain.presets import presets_for
 from vtrain.tasks.dino import test_sizes
 
+
+def _at_least_one(value: int, flag: str) -> int:
+    """A count option's value (batch size, accumulation, GPUs, classes): one error line below 1."""
+    if value < 1:
+        raise VtrainError(f"{flag}: must be >= 1")
+    return value
+
+
 def _ds_fields(path: str) -> dict[str, Any]:
     """The Setup fields a DeepSpeed JSON decides (config/ds_json.py reads it as the training run does)."""
     raw = read_json(path, "--ds-config: cannot read {path} ({error})")
@@ -75,13 +83,9 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
     if s.preset not in names:
         raise VtrainError(f"--model: unknown {s.task} preset {s.preset!r}; choose one of: {', '.join(names)}")
     if batch_size is not None:
-        if batch_size < 1:
-            raise VtrainError("--batch-size: must be >= 1")
-        s.batch_size = batch_size
+        s.batch_size = _at_least_one(batch_size, "--batch-size")
     if grad_accum is not None:
-        if grad_accum < 1:
-            raise VtrainError("--grad-accum: must be >= 1")
-        s.grad_accum = grad_accum
+        s.grad_accum = _at_least_one(grad_accum, "--grad-accum")
     if image_size is not None:
         s.image_size = parse_image_size(image_size, s.task)
     if precision is not None:
@@ -119,13 +123,9 @@ def setup_from(*, model=None, task=None, batch_size=None, image_size=None, preci
         raise VtrainError("--offload all: parameter offload needs --zero 3")
     if s.offload != "none" and not s.zero:
         raise VtrainError("--offload: offloading needs DeepSpeed (--zero 1-3)")
-    if gpus < 1:
-        raise VtrainError("--gpus: must be >= 1")
-    s.gpus = gpus
+    s.gpus = _at_least_one(gpus, "--gpus")
     if num_classes is not None:
-        if num_classes < 1:
-            raise VtrainError("--num-classes: must be >= 1")
-        s.num_classes = num_classes
+        s.num_classes = _at_least_one(num_classes, "--num-classes")
     if head_parallel is not None:
         if head_parallel not in ("none", "sharded"):
             raise VtrainError("--head-parallel: choose none or sharded")
