@@ -50,8 +50,11 @@ demo: $(STAMP)
 		--images "$$shapes/val2017/00000[0-3].jpg" --ann "$$shapes/annotations/instances_val2017.json" --num-workers 0
 	@echo "demo done: face runs/demo (train.log, eval.log), detection runs/demo-dino (train.log, eval.log); the drawn detections are in runs/demo-dino/predicted/"
 
+# Two pytest-xdist workers (TEST_WORKERS=N for more): one of them runs the multi-process tests one after another
+# (tests/conftest.py groups them), the other the single-process ones meanwhile (docs/testing.md "Two workers").
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout 900 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout 900 -n $(TEST_WORKERS) --dist loadgroup tests
 
 # The unit lane: everything but whole CLI runs and multi-process runs (docs/testing.md).
 test-fast: $(STAMP)

@@ -32,6 +32,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if INTEGRATION in Path(item.fspath).parents:
             item.add_marker(pytest.mark.integration)
+        # `make test` runs two pytest-xdist workers with `--dist loadgroup` (docs/testing.md "Two workers"): a
+        # module's tests stay together (its module fixtures are built once), and every multi-process test (`slow`)
+        # is in one group, so at most one 2-process run is active while the other worker runs single-process tests.
+        group = "multi-process" if item.get_closest_marker("slow") else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session", autouse=True)

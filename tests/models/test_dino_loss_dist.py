@@ -43,6 +43,7 @@ def _worker(rank: int, port: int, path: str) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_two_ranks_optimise_the_whole_batch_loss(tmp_path):
     out, labels, boxes, counts = _outputs(slice(0, 4))
     whole = dino_loss(out, labels, boxes, counts, None)["loss"]
