@@ -166,6 +166,8 @@ def render(results: list[dict], names: list[str] | None = None) -> str:
     worst = max((abs(r["total_error"]) for r in results), default=0)
     worst_a = max((abs(r["activation_error"]) for r in results), default=0)
     lines += ["", f"Largest error: totals {100 * worst:.2f}%, activations {100 * worst_a:.2f}% ({len(results)} rows)."]
+    lines += ["", "Measured at (rows are kept across runs; benchmarks/step_memory.py's DeepSpeed marking covers every hook "
+              "DeepSpeed registers since 2026-11-29 03:00): " + "; ".join(f"{r['name']} {r['when']}" for r in results)]
     missing = [n for n in (names or []) if n not in {r["name"] for r in results}]
     if missing:
         lines += ["", f"Rows not measured yet ({len(missing)}; run with `--only NAME,...`): {', '.join(missing)}. "
