@@ -19,8 +19,8 @@ marker. Under DeepSpeed ZeRO the engine's own gradient and parameter traffic run
 the gradient's copy into the reduction bucket and its partition; stage 3 also the all-gather of each module's
 parameters and their release, and its module hooks): those hooks are wrapped in a `vt_engine` marker, and
 every storage allocated inside one (with its later free) is the engine's, not the model's. That includes every
-gradient hook DeepSpeed registers (ZeRO-1/2 copy each gradient into a `grad_accum` buffer of its own there and
-set up their buckets, outside the reduction function itself). The activation curve is the live curve of
+gradient hook DeepSpeed registers (ZeRO-1/2's `process_gradients` sets buckets up and may copy gradients there,
+outside the reduction function itself). The activation curve is the live curve of
 what the step allocates (from its first forward op) without those gradient and engine storages, the
 estimator's activation figure, the same quantity under every engine.
 
@@ -112,7 +112,7 @@ MODULE_HOOK_SETUP = ("deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffl
 def mark_engine_hooks() -> None:
     """Run DeepSpeed's gradient, parameter and module hooks inside a `vt_engine` marker (module docstring): the
     named methods, every hook it registers through `register_grad_hook` (ZeRO-1/2 copy each gradient into
-    `param.grad_accum` and set buckets up in it, outside the reduction itself), and ZeRO-3's module hooks."""
+    `process_gradients`: bucket set-up and gradient copies outside the reduction itself), and ZeRO-3's module hooks."""
     import functools
     import importlib
 
