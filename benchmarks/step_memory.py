@@ -111,8 +111,8 @@ MODULE_HOOK_SETUP = ("deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffl
 
 def mark_engine_hooks() -> None:
     """Run DeepSpeed's gradient, parameter and module hooks inside a `vt_engine` marker (module docstring): the
-    named methods, every hook it registers through `register_grad_hook` (ZeRO-1/2 copy each gradient into
-    `process_gradients`: bucket set-up and gradient copies outside the reduction itself), and ZeRO-3's module hooks."""
+    named methods, every hook it registers through `register_grad_hook` (ZeRO-1/2's `process_gradients`: bucket set-up
+    and gradient copies outside the reduction itself), and ZeRO-3's module hooks."""
     import functools
     import importlib
 
