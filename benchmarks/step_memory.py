@@ -17,8 +17,10 @@ Gradients are identified by address: every parameter gets a post-accumulate-grad
 address inside a `record_function` marker; the gradient is the last allocation at that address before the
 marker. Under DeepSpeed ZeRO the engine's own gradient and parameter traffic runs inside its hooks (stage 1/2:
 the gradient's copy into the reduction bucket and its partition; stage 3 also the all-gather of each module's
-parameters and their release): those hooks are wrapped in a `vt_engine` marker, and every storage allocated
-inside one (with its later free) is the engine's, not the model's. The activation curve is the live curve of
+parameters and their release, and its module hooks): those hooks are wrapped in a `vt_engine` marker, and
+every storage allocated inside one (with its later free) is the engine's, not the model's. That includes every
+gradient hook DeepSpeed registers (ZeRO-1/2's `process_gradients` sets buckets up and may copy gradients there,
+outside the reduction function itself). The activation curve is the live curve of
 what the step allocates (from its first forward op) without those gradient and engine storages, the
 estimator's activation figure, the same quantity under every engine.
 
@@ -97,11 +99,20 @@ ENGINE_HOOKS = {
         "reduce_ready_partitions_and_remove_grads", "independent_gradient_partition_epilogue"),
     "deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator": (
         "fetch_sub_module", "release_sub_module"),
+    "deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload": (
+        "pre_sub_module_forward_function", "post_sub_module_forward_function", "pre_sub_module_backward_function",
+        "post_sub_module_backward_function"),
 }
+# modules that register DeepSpeed's per-parameter gradient hooks through `register_grad_hook` (imported by name)
+GRAD_HOOK_MODULES = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3")
+# methods during which every module hook registered is DeepSpeed's own (ZeRO-3's forward and backward module hooks)
+MODULE_HOOK_SETUP = ("deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload", "setup_zero_stage3_hooks")
 
 
 def mark_engine_hooks() -> None:
-    """Wrap DeepSpeed's gradient and parameter hooks in a `vt_engine` marker (module docstring)."""
+    """Run DeepSpeed's gradient, parameter and module hooks inside a `vt_engine` marker (module docstring): the
+    named methods, every hook it registers through `register_grad_hook` (ZeRO-1/2's `process_gradients`: bucket set-up
+    and gradient copies outside the reduction itself), and ZeRO-3's module hooks."""
     import functools
     import importlib
 
@@ -119,6 +130,27 @@ def mark_engine_hooks() -> None:
         klass = getattr(importlib.import_module(mod), cls)
         for name in names:
             setattr(klass, name, wrap(getattr(klass, name)))
+    for mod in GRAD_HOOK_MODULES:
+        m = importlib.import_module(mod)
+        register = m.register_grad_hook
+        m.register_grad_hook = functools.wraps(register)(lambda param, hook, _r=register: _r(param, wrap(hook)))
+    path, name = MODULE_HOOK_SETUP
+    mod, cls = path.rsplit(".", 1)
+    klass = getattr(importlib.import_module(mod), cls)
+    setup = getattr(klass, name)
+
+    @functools.wraps(setup)
+    def registering(*args, **kwargs):
+        module_cls = torch.nn.Module
+        pre, post = module_cls.register_forward_pre_hook, module_cls.register_forward_hook
+        module_cls.register_forward_pre_hook = lambda self, hook, *a, **k: pre(self, wrap(hook), *a, **k)
+        module_cls.register_forward_hook = lambda self, hook, *a, **k: post(self, wrap(hook), *a, **k)
+        try:
+            return setup(*args, **kwargs)
+        finally:
+            module_cls.register_forward_pre_hook, module_cls.register_forward_hook = pre, post
+
+    setattr(klass, name, registering)
 
 
 def child(row: dict) -> dict:

@@ -47,7 +47,7 @@ from vtrain.models.recompute_units import hidden_units, recompute_units
 
 NONE, FULL, SAC, FFN = "none", "full", "sac", "ffn"
 MAX_VERIFY = 6  # verification traces after the measurement traces (Swin-L DINO: ~15-25 s each on 2 CPU cores)
-BUCKETS = 512  # the search merges states whose kept bytes and peak agree to 1/BUCKETS of the plain peak
+BUCKETS = 2048  # the search merges states whose keeps and peak agree to (units / BUCKETS) of the largest term
 
 
 @dataclass
