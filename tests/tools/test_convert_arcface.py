@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tests.helpers.cli import final_weights, ok, vtrain
+from tests.helpers.cli import final_weights, ok
 from tests.helpers.paths import FIXTURES
+from tests.helpers.scaffold import served
 from vtrain.errors import VtrainError
 from vtrain.models.metric import MetricModel
 from vtrain.models.metric_adapters.arcface import from_arcface_vit
@@ -22,6 +23,14 @@ FIXTURE = FIXTURES / "arcface"
 # arcface_torch's explicit softmax(q k^T) v) and summation order: about 1e-6 on embeddings of magnitude ~3.
 # Every negative case below differs by more than 1000x this.
 TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """`vtrain ARGS` as a fork of one server that imported torch and vtrain once (helpers/fork_server.py): the
+    module's commands do not pay ~10 s of imports each."""
+    with served(tmp_path_factory, "convert-cli") as (_, server):
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +137,7 @@ def _one_error(proc, *needles):
 
 
 @pytest.mark.integration
-def test_bad_inputs_are_one_line_and_write_nothing(tmp_path):
+def test_bad_inputs_are_one_line_and_write_nothing(cli, tmp_path):
     import argparse
     import collections
 
@@ -148,24 +157,24 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path):
              ("short.pt", ["leaves 1 of the model's", "backbone.blocks.1.mlp.fc2.bias"])]
     for name, needles in cases:
         out = tmp_path / f"out-{name}"
-        _one_error(vtrain("convert", str(tmp_path / name), str(out), "--from", "arcface-vit"), *needles)
+        _one_error(cli("convert", str(tmp_path / name), str(out), "--from", "arcface-vit"), *needles)
         assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     # a file of another codebase given to --pretrained: the format and the command that reads it
-    proc = vtrain("train", "--model", "debug-af", "--pretrained", str(FIXTURE / "model.pt"), "--output-dir",
+    proc = cli("train", "--model", "debug-af", "--pretrained", str(FIXTURE / "model.pt"), "--output-dir",
                   str(tmp_path / "run"), "--max-steps", "1")
     _one_error(proc, "--pretrained", "arcface_torch ViT", "vtrain convert", "--from arcface-vit")
     # an IDEA DINO file (its `args` Namespace is admitted as data) given to a detection run
-    proc = vtrain("train", "--task", "dino", "--model", "debug", "--pretrained", str(tmp_path / "idea.pth"),
+    proc = cli("train", "--task", "dino", "--model", "debug", "--pretrained", str(tmp_path / "idea.pth"),
                   "--output-dir", str(tmp_path / "run-dino"), "--max-steps", "1")
     _one_error(proc, "--pretrained", "IDEA-Research DINO", "--from idea-dino")
 
 
 @pytest.mark.integration
-def test_output_rules(tmp_path, converted):
+def test_output_rules(cli, tmp_path, converted):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    _one_error(vtrain("convert", str(FIXTURE / "model.pt"), str(mine), "--from", "arcface-vit", "--overwrite"),
+    _one_error(cli("convert", str(FIXTURE / "model.pt"), str(mine), "--from", "arcface-vit", "--overwrite"),
                "not a directory vtrain convert wrote")
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
     # an earlier conversion: refused without --overwrite, replaced with it (a file put into it stops that)
@@ -183,17 +192,17 @@ def test_output_rules(tmp_path, converted):
 
 
 @pytest.mark.slow
-def test_eval_export_predict_and_pretrained_accept_the_converted_run(faces, tmp_path, converted):
-    proc = ok(vtrain("eval", "--checkpoint", str(converted), "--data", str(faces), "--json"))
+def test_eval_export_predict_and_pretrained_accept_the_converted_run(cli, faces, tmp_path, converted):
+    proc = ok(cli("eval", "--checkpoint", str(converted), "--data", str(faces), "--json"))
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["genuine_pairs"] > 0 and got["weights"] == "model"
-    ok(vtrain("export", str(converted), str(tmp_path / "m.onnx")))  # checks onnxruntime against PyTorch
-    ok(vtrain("predict", "--checkpoint", str(converted), "--images", str(faces / "val"), "--out",
+    ok(cli("export", str(converted), str(tmp_path / "m.onnx")))  # checks onnxruntime against PyTorch
+    ok(cli("predict", "--checkpoint", str(converted), "--images", str(faces / "val"), "--out",
               str(tmp_path / "emb.safetensors")))
     assert load_file(str(tmp_path / "emb.safetensors"))["embeddings"].shape == (24, 512)  # 6 identities x 4
     weights = converted / "checkpoints" / "step_0" / "model.safetensors"
     run = tmp_path / "run"
-    proc = ok(vtrain("train", "--data", str(faces), "--model", "debug-af", "--output-dir", str(run), "--max-steps",
+    proc = ok(cli("train", "--data", str(faces), "--model", "debug-af", "--output-dir", str(run), "--max-steps",
                      "1", "--pretrained", str(converted), "--lr", "1e-12", "--batch-size", "4", "--num-workers", "0"))
     assert "39/40 tensors of the model" in proc.stdout and "head.weight initialised for 16" in proc.stdout
     start, after = load_file(str(weights)), final_weights(run)
@@ -203,8 +212,8 @@ def test_eval_export_predict_and_pretrained_accept_the_converted_run(faces, tmp_
 
 
 @pytest.mark.slow
-def test_estimate_memory_traces_an_arcface_preset():
-    proc = ok(vtrain("estimate-memory", "--task", "metric", "--model", "vit-t-af", "--batch-size", "8",
+def test_estimate_memory_traces_an_arcface_preset(cli):
+    proc = ok(cli("estimate-memory", "--task", "metric", "--model", "vit-t-af", "--batch-size", "8",
                      "--num-classes", "1000", "--no-compare-gc", "--json"))
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     # arcface_torch's vit_t parameters (keys.json, less its BatchNorm buffers and the unused mask_token) + the head

@@ -1,11 +1,18 @@
-"""`vtrain export` of a DINO checkpoint (tools/export_detection.py): one export of a debug-resnet checkpoint, checked
+"""`vtrain export` of a DINO checkpoint (tools/export_detection.py): one export of a small DINO checkpoint, checked
 by onnxruntime against PyTorch on batches of 1 and 4 at two sizes (one not a multiple of 32), then run at sizes the
 export did not trace (one with fewer encoder tokens than queries), and by `vtrain predict --onnx` against the
 PyTorch predict path; the comparison rules; the deformable-attention paths as ONNX graphs; a failed check leaves
-nothing behind."""
+nothing behind.
+
+The checkpoint's model is debug-resnet's DINO (ResNet-10-T, 64-d, 2+2 layers, 100 queries) read at two levels
+instead of four: the backbone's stride-32 stage and one extra stride-2 level (`PRESET`). The export's cost is
+torch.export's symbolic shapes and onnxscript's optimizer over the graph, most of it per feature level: two levels
+trace in about 0.6x the CPU time of four, while keeping every kind of level (a backbone one and an extra
+convolution one, whose size is the ceiling of an odd half at 352 px wide and at 223 px high)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,6 +25,7 @@ from torch import nn
 from vtrain.errors import VtrainError
 from vtrain.models.dino.msda import auto_impl, ms_deform_attn
 from vtrain.models.dino.msda_onnx import LOWERINGS
+from vtrain.presets import DINO_PRESETS
 from vtrain.tools import export_detection as det
 from vtrain.tools.export import export_onnx
 from vtrain.tools.onnx_detector import session
@@ -25,19 +33,41 @@ from vtrain.tools.onnx_detector import session
 CATEGORIES = [{"id": 1, "name": "red"}, {"id": 3, "name": "blue"}, {"id": 7, "name": "dark green"}]
 
 
+PRESET = "test-export-2level"  # registered for this module only (the `preset` fixture)
+QUERIES = 100
+
+
+def detections(height: int, width: int) -> int:
+    """Detections per image of the exported graph at a padded batch of `height` x `width`: 3 classes x the queries
+    it selects, at most one per encoder token (levels at strides 32 and 64 of the size padded to 32)."""
+    h, w = -(-height // 32), -(-width // 32)
+    return 3 * min(QUERIES, h * w + -(-h // 2) * -(-w // 2))
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    """A debug-resnet run directory (128 px test size, 3 classes) with seeded weights, written as `vtrain convert`
-    writes one: a complete, verified checkpoint without a training run."""
+def preset():
+    """debug-resnet's DINO at two feature levels (the module docstring), as a preset name a checkpoint can carry."""
+    two_levels = dataclasses.replace(DINO_PRESETS["debug-resnet"](), out_indices=(4,), levels=2, queries=QUERIES,
+                                     description="debug-resnet at strides 32 and 64 (export tests)")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(DINO_PRESETS, PRESET, lambda: two_levels)
+        yield PRESET
+
+
+@pytest.fixture(scope="module")
+def run(preset, tmp_path_factory) -> Path:
+    """A run directory of the `preset` model (128 px test size, 3 classes) with seeded weights, written as
+    `vtrain convert` writes one: a complete, verified checkpoint without a training run."""
     from vtrain.config import build_config
     from vtrain.tasks import build_model
     from vtrain.tools.convert import write
 
     out = tmp_path_factory.mktemp("export") / "run"
-    cfg = build_config("dino", overrides={"model": {"preset": "debug-resnet", "image_size": 128},
+    cfg = build_config("dino", overrides={"model": {"preset": preset, "image_size": 128},
                                           "train": {"output_dir": str(out)}})
     torch.manual_seed(0)
     model = build_model("dino", cfg.model, len(CATEGORIES))
+    assert model.levels == 2 and model.num_queries == QUERIES
     write(out, False, cfg, model.state_dict(), CATEGORIES, {"source": "test", "file": "-"})
     return out
 
@@ -62,7 +92,7 @@ def test_export_is_checked_on_batches_and_sizes_and_documents_itself(exported, r
                                                                        (4, 223, 301)]
     assert 223 % 32 and 301 % 32 and (256, 352) != det.TRACE[1:]  # one size not a multiple of 32, none traced
     for c in report.checks:
-        assert c.detections == c.batch * 300
+        assert c.detections == c.batch * detections(c.height, c.width)  # 223 x 301: 90 tokens, 90 queries
         assert c.score_diff <= det.SCORE_TOL and c.box_diff <= det.BOX_TOL_PX + det.BOX_TOL_REL * 352
     m = onnx.load(str(out))
     meta = {p.key: p.value for p in m.metadata_props}
@@ -79,14 +109,14 @@ def test_export_is_checked_on_batches_and_sizes_and_documents_itself(exported, r
 
 @pytest.mark.parametrize("batch,height,width", [(1, 64, 64), (3, 97, 130)])
 def test_sizes_the_export_did_not_trace(exported, batch, height, width):
-    """64 x 64 pads to 64 x 64: 8x8 + 4x4 + 2x2 + 1 = 85 encoder tokens, fewer than the 100 queries, so the
-    graph selects 85 queries and returns 85 x 3 detections; 97 x 130 pads to 128 x 160 inside the graph."""
+    """64 x 64 pads to 64 x 64: 2x2 + 1 = 5 encoder tokens, fewer than the 100 queries, so the graph selects 5
+    queries and returns 5 x 3 detections; 97 x 130 pads to 128 x 160 inside the graph (levels of 4x5 and 2x3)."""
     _, out, graph = exported
     images, sizes, want, ties = det.reference(graph, batch, height, width)
     assert not ties
     got = session(out, "test").run(None, {"images": images.numpy(), "image_sizes": sizes.numpy()})
     det.compare_top(got, want, "test", batch, height, width)
-    assert got[0].shape == (batch, 85 * 3 if height == 64 else 300)
+    assert got[0].shape == (batch, detections(height, width)) == (batch, 15 if height == 64 else 78)  # 5, 26 tokens
     assert got[1].max() < 3 and got[2][..., 2:].max() <= 2 * width  # labels index the 3 categories; pixels
 
 
@@ -108,7 +138,8 @@ def test_predict_onnx_equals_predict_with_the_checkpoint(exported, run, tmp_path
     assert onnx_report.images == torch_report.images == 3 and onnx_report.test_size == torch_report.test_size
     want = json.loads((tmp_path / "torch" / "predictions.json").read_text())
     got = json.loads((tmp_path / "onnx" / "predictions.json").read_text())
-    assert len(got) == len(want) == 3 * 300
+    # per image, 3 x the queries its padded batch's tokens allow (a and b share one, c is alone)
+    assert len(got) == len(want) == 2 * detections(190, 173) + detections(128, 128)
     for image_id in (1, 2, 3):
         w = [d for d in want if d["image_id"] == image_id]
         g = [d for d in got if d["image_id"] == image_id]
