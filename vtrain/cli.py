@@ -78,17 +78,14 @@ def evaluate(
     checkpoint: Annotated[Path, typer.Option(
         parser=path, help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
     task: Annotated[Optional[Task], typer.Option(help="Expected task (checked against the checkpoint)")] = None,
-    data: Annotated[Optional[str], typer.Option(parser=text,
-        help="Data directory, a verification .bin pack, or `demo`; default: the run's data")] = None,
-    val_data: Annotated[Optional[str], typer.Option(
-        "--val-data", parser=text, help="Metric: held-out identity tree")] = None,
-    pairs: Annotated[Optional[str], typer.Option(
-        "--pairs", parser=text, help="Metric: verification pairs file")] = None,
-    val_targets: Annotated[Optional[str], typer.Option(
-        help="Metric: verification .bin packs (NAME = <data>/NAME.bin, or paths)")] = None,
-    val_ann: Annotated[Optional[str], typer.Option(
-        parser=text, help="Detection: COCO annotation JSON to evaluate on")] = None,
-    val_images: Annotated[Optional[str], typer.Option(parser=text, help="Detection: its image folder")] = None,
+    # the data to evaluate on: train's data fields, each defaulting to the run's (tools/evaluate.py checks them as
+    # a DataConfig)
+    data: shared("data.path", "Data directory, a verification .bin pack, or `demo`; default: the run's data") = None,
+    val_data: shared("data.val_path", "Metric: held-out identity tree") = None,
+    pairs: shared("data.pairs_file", "Metric: verification pairs file") = None,
+    val_targets: shared("data.val_targets", "Metric: verification .bin packs (NAME = <data>/NAME.bin, or paths)") = None,
+    val_ann: shared("data.val_ann", "Detection: COCO annotation JSON to evaluate on") = None,
+    val_images: shared("data.val_images", "Detection: its image folder") = None,
     batch_size: shared("train.batch_size", "Batch size (default: the run's micro-batch)") = None,
     save_predictions: Annotated[Optional[str], typer.Option(
         parser=text, help="Detection: write COCO results JSON here")] = None,

@@ -16,7 +16,7 @@ import typer
 
 from vtrain.cli_rules import path, text
 from vtrain.config import Option, options
-from vtrain.config.fields import options_of
+from vtrain.config.fields import choices, options_of
 
 
 def choice(name: str, values: tuple[Any, ...]) -> type[Enum]:
@@ -38,12 +38,12 @@ def parameter(o: Option, help: str | None = None, default: Any = None, own: bool
     `--grad-ckpt ''`, may be empty: no items)."""
     is_choice = o.cli_choice or own
     is_path = Path in typing.get_args(o.hint) or o.hint is Path
+    is_list = list in (typing.get_origin(o.hint), *map(typing.get_origin, typing.get_args(o.hint)))
     kind: Any = Path if is_path else (choice(o.name.title(), o.choices) if is_choice and o.choices else o.value_type)
     metavar = f"<{'|'.join(o.choices)}>" if o.choices and not is_choice else None
     option = typer.Option(*([o.flag] if o.flag else []), help=(help or o.help).replace("[", r"\["), metavar=metavar,
                           show_default=default is not None and default is not False,
-                          parser=path if is_path else (text if (own or empty_rule) and kind is str
-                                                        and typing.get_origin(o.hint) is not list else None))
+                          parser=path if is_path else (text if (own or empty_rule) and kind is str and not is_list else None))
     return inspect.Parameter(name or o.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                              annotation=Annotated[kind if default is not None else Optional[kind], option])
 
@@ -58,10 +58,7 @@ def plain(value: Any, hint: Any) -> Any:
     """A value as the command line passed it (an Enum member for a choice) as its field holds it (`3`, not `'3'`)."""
     if not isinstance(value, Enum):
         return value
-    allowed = {str(v): v for v in typing.get_args(hint) or ()}
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if not allowed and len(args) == 1:
-        allowed = {str(v): v for v in typing.get_args(args[0])}
+    allowed = {str(v): v for v in choices(hint) or ()}
     return allowed.get(value.value, value.value)
 
 
