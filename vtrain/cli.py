@@ -42,6 +42,18 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 Task, Precision = choice("Task", TASKS), choice("Precision", PRECISIONS)
 Dtype = choice("Dtype", ("fp32", "bf16", "fp16"))  # consolidate's output dtypes: Click refuses any other
 
+# options more than one command takes, declared once (eval and predict: a run's checkpoint, tested at its test size)
+RunBatch = shared("train.batch_size", "Batch size (default: the run's micro-batch)")
+RunMaxPixels = shared("data.max_image_pixels", "Refuse images above this many pixels, read from their header "
+                      "(default: the run's, else PIL's 89478485)")
+TestSize = Annotated[Optional[int], typer.Option(
+    help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")]
+TestMaxSize = Annotated[Optional[int], typer.Option(
+    help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")]
+Best = Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")]
+Weights = Annotated[Optional[str], typer.Option(
+    parser=text, help="ema or model (default: ema when the checkpoint has EMA weights)")]
+
 
 def _train_command(fn: Any) -> Any:
     """`fn(config, task, **section_flags)` with one parameter per config field that has a flag, plus --config."""
@@ -86,21 +98,17 @@ def evaluate(
     val_targets: shared("data.val_targets", "Metric: verification .bin packs (NAME = <data>/NAME.bin, or paths)") = None,
     val_ann: shared("data.val_ann", "Detection: COCO annotation JSON to evaluate on") = None,
     val_images: shared("data.val_images", "Detection: its image folder") = None,
-    batch_size: shared("train.batch_size", "Batch size (default: the run's micro-batch)") = None,
+    batch_size: RunBatch = None,
     save_predictions: Annotated[Optional[str], typer.Option(
         parser=text, help="Detection: write COCO results JSON here")] = None,
     classwise: Annotated[bool, typer.Option(help="Detection: AP per category (a table, and in --json)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
-    best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
-    weights: Annotated[Optional[str], typer.Option(parser=text,
-        help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
-    max_image_pixels: shared("data.max_image_pixels", "Refuse images above this many pixels, read from their header "
-                             "(default: the run's, else PIL's 89478485)") = None,
+    best: Best = False,
+    weights: Weights = None,
+    max_image_pixels: RunMaxPixels = None,
     overwrite: Annotated[bool, typer.Option(help="Replace --save-predictions when it exists (never a checkpoint's file)")] = False,
-    image_size: Annotated[Optional[int], typer.Option(
-        help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
-    max_size: Annotated[Optional[int], typer.Option(
-        help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
+    image_size: TestSize = None,
+    max_size: TestMaxSize = None,
     ijb: Annotated[Optional[Path], typer.Option(
         parser=path, help="Metric: IJB-B/C 1:1 verification on this folder")] = None,
     ijb_target: Annotated[Optional[str], typer.Option(
@@ -151,17 +159,14 @@ def predict(
     task: Annotated[Optional[Task], typer.Option(help="Expected task (default: the checkpoint's)")] = None,
     score_threshold: Annotated[Optional[float], typer.Option(
         help="Detection: draw and keep boxes scoring at least this (default 0.3)")] = None,
-    batch_size: shared("train.batch_size", "Batch size (default: the run's micro-batch)") = None,
+    batch_size: RunBatch = None,
     ann: Annotated[Optional[str], typer.Option(parser=text,
         help="Detection: COCO annotation JSON whose file_names give the image ids (default: 1..N)")] = None,
     num_workers: Annotated[int, typer.Option(help="Image decoding workers")] = 2,
-    max_image_pixels: shared("data.max_image_pixels", "Refuse images above this many pixels, read from their header "
-                             "(default: the run's, else PIL's 89478485)") = None,
+    max_image_pixels: RunMaxPixels = None,
     overwrite: Annotated[bool, typer.Option(help="Replace the files --out names when it exists (never a checkpoint's file)")] = False,
-    image_size: Annotated[Optional[int], typer.Option(
-        help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
-    max_size: Annotated[Optional[int], typer.Option(
-        help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
+    image_size: TestSize = None,
+    max_size: TestMaxSize = None,
     onnx: Annotated[Optional[Path], typer.Option(
         parser=path, help="Detection: run this ONNX file of `vtrain export` with onnxruntime instead of a checkpoint")] = None,
 ) -> None:
@@ -196,7 +201,7 @@ def consolidate_cmd(
     backbone_only: Annotated[bool, typer.Option(
         help="Metric: leave the class head out (backbone + embedding neck, what inference needs)")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
-    best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
+    best: Best = False,
     weights: Annotated[Optional[str], typer.Option(parser=text,
         help="ema or model (default: ema when the vtrain checkpoint has EMA weights)")] = None,
 ) -> None:
@@ -244,8 +249,7 @@ def export_cmd(
     opset: Annotated[int, typer.Option(help="ONNX opset (18 up to what the installed onnx/onnxscript write)")] = 18,
     verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on inputs the export did not trace")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT (and OUT.data) when it exists (never a checkpoint's file)")] = False,
-    weights: Annotated[Optional[str], typer.Option(
-        parser=text, help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
+    weights: Weights = None,
     raw: Annotated[Optional[bool], typer.Option(
         "--raw", help="Detection: output the raw logits and boxes of every query instead of the top-k detections")] = None,
     msda: Annotated[Optional[str], typer.Option(
