@@ -58,7 +58,7 @@ def _setup(row: dict):
     h, w = row["image_size"]
     flags = ENGINES[row["engine"]]
     s = setup_from(model=row["preset"], task="dino", batch_size=row["batch_size"], image_size=f"{h}x{w}",
-                   precision=row["precision"], grad_ckpt=",".join(GC_CHOICES[row["gc"]]) or None,
+                   mixed_precision=row["precision"], grad_ckpt=",".join(GC_CHOICES[row["gc"]]) or None,
                    fsdp=flags.get("fsdp"), ds_config=str(ROOT / flags["ds_config"]) if "ds_config" in flags else None)
     return dataclasses.replace(s, num_targets=row["targets"], msda_impl=row["msda"],
                                autocast_policy="cuda" if torch.cuda.is_available() else "cpu")

@@ -12,15 +12,17 @@ import json
 import os
 import sys
 import traceback
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from vtrain import recompute
+from vtrain.cli_options import choice, command_of, parameter, shared
 from vtrain.cli_rules import path, text, user_error
-from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, Option, config_from_flags, options  # noqa: F401
+from vtrain.config import FLAG_SECTIONS, PRECISIONS, TASKS, config_from_flags, options  # noqa: F401
+from vtrain.config import DataConfig
+from vtrain.config.estimate import EstimateOptions
+from vtrain.config.fields import check_value
 from vtrain.config.paths import check_exists, check_demo_batch
 from vtrain.console import console, end_log, header, log_to, plain, start_log
 from vtrain.engine.engines.ds_config import check_ds_config
@@ -37,22 +39,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Train large vision models on small GPUs (Accelerate + DeepSpeed ZeRO / FSDP2).")
 
 
-def _choice(name: str, values: tuple[str, ...]) -> type[Enum]:
-    """A choice as Typer takes one (an Enum of strings): Click refuses any other value in its own line."""
-    return Enum(name, {v: v for v in values}, type=str)  # type: ignore[return-value]
+Task, Precision = choice("Task", TASKS), choice("Precision", PRECISIONS)
+Dtype = choice("Dtype", ("fp32", "bf16", "fp16"))  # consolidate's output dtypes: Click refuses any other
 
-
-Task, Precision = _choice("Task", TASKS), _choice("Precision", PRECISIONS)
-
-
-def _train_parameter(o: Option) -> inspect.Parameter:
-    """One `vtrain train` option from its config field (config/fields.py): the flag, the field's docstring as help,
-    a Click choice or the listed values, and None by default (an unset flag leaves the --config file's value)."""
-    kind: Any = _choice(o.name.title(), o.choices) if o.cli_choice and o.choices else o.value_type
-    metavar = f"<{'|'.join(o.choices)}>" if o.choices and not o.cli_choice else None
-    option = typer.Option(o.flag, help=o.help.replace("[", r"\["), metavar=metavar, show_default=False)
-    return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                             annotation=Annotated[Optional[kind], option])
+# options more than one command takes, declared once (eval and predict: a run's checkpoint, tested at its test size)
+RunBatch = shared("train.batch_size", "Batch size (default: the run's micro-batch)")
+RunMaxPixels = shared("data.max_image_pixels", "Refuse images above this many pixels, read from their header "
+                      "(default: the run's, else PIL's 89478485)")
+TestSize = Annotated[Optional[int], typer.Option(
+    help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")]
+TestMaxSize = Annotated[Optional[int], typer.Option(
+    help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")]
+Best = Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")]
+Weights = Annotated[Optional[str], typer.Option(
+    parser=text, help="ema or model (default: ema when the checkpoint has EMA weights)")]
 
 
 def _train_command(fn: Any) -> Any:
@@ -61,7 +61,7 @@ def _train_command(fn: Any) -> Any:
         Optional[Path], typer.Option(
             parser=path, help="YAML config, keys as in docs/options.md (a run's config.yaml too); flags "
                                      "override its values")])
-    params = [_train_parameter(o) for o in options() if o.flag] + [config]
+    params = [parameter(o) for o in options() if o.flag] + [config]
     fn.__signature__ = inspect.Signature(params, return_annotation=None)
     return fn
 
@@ -90,33 +90,25 @@ def evaluate(
     checkpoint: Annotated[Path, typer.Option(
         parser=path, help="Checkpoint dir (checkpoints/step_N) or a run dir (newest)")],
     task: Annotated[Optional[Task], typer.Option(help="Expected task (checked against the checkpoint)")] = None,
-    data: Annotated[Optional[str], typer.Option(parser=text,
-        help="Data directory, a verification .bin pack, or `demo`; default: the run's data")] = None,
-    val_data: Annotated[Optional[str], typer.Option(
-        "--val-data", parser=text, help="Metric: held-out identity tree")] = None,
-    pairs: Annotated[Optional[str], typer.Option(
-        "--pairs", parser=text, help="Metric: verification pairs file")] = None,
-    val_targets: Annotated[Optional[str], typer.Option(
-        help="Metric: verification .bin packs (NAME = <data>/NAME.bin, or paths)")] = None,
-    val_ann: Annotated[Optional[str], typer.Option(
-        parser=text, help="Detection: COCO annotation JSON to evaluate on")] = None,
-    val_images: Annotated[Optional[str], typer.Option(parser=text, help="Detection: its image folder")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
+    # the data to evaluate on: train's data fields, each defaulting to the run's (tools/evaluate.py checks them as
+    # a DataConfig)
+    data: shared("data.path", "Data directory, a verification .bin pack, or `demo`; default: the run's data") = None,
+    val_data: shared("data.val_path", "Metric: held-out identity tree") = None,
+    pairs: shared("data.pairs_file", "Metric: verification pairs file") = None,
+    val_targets: shared("data.val_targets", "Metric: verification .bin packs (NAME = <data>/NAME.bin, or paths)") = None,
+    val_ann: shared("data.val_ann", "Detection: COCO annotation JSON to evaluate on") = None,
+    val_images: shared("data.val_images", "Detection: its image folder") = None,
+    batch_size: RunBatch = None,
     save_predictions: Annotated[Optional[str], typer.Option(
         parser=text, help="Detection: write COCO results JSON here")] = None,
     classwise: Annotated[bool, typer.Option(help="Detection: AP per category (a table, and in --json)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print metrics as one JSON object on the last line")] = False,
-    best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
-    weights: Annotated[Optional[str], typer.Option(parser=text,
-        help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
-    max_image_pixels: Annotated[Optional[int], typer.Option(
-        help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
-        "89478485)")] = None,
+    best: Best = False,
+    weights: Weights = None,
+    max_image_pixels: RunMaxPixels = None,
     overwrite: Annotated[bool, typer.Option(help="Replace --save-predictions when it exists (never a checkpoint's file)")] = False,
-    image_size: Annotated[Optional[int], typer.Option(
-        help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
-    max_size: Annotated[Optional[int], typer.Option(
-        help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
+    image_size: TestSize = None,
+    max_size: TestMaxSize = None,
     ijb: Annotated[Optional[Path], typer.Option(
         parser=path, help="Metric: IJB-B/C 1:1 verification on this folder")] = None,
     ijb_target: Annotated[Optional[str], typer.Option(
@@ -167,18 +159,14 @@ def predict(
     task: Annotated[Optional[Task], typer.Option(help="Expected task (default: the checkpoint's)")] = None,
     score_threshold: Annotated[Optional[float], typer.Option(
         help="Detection: draw and keep boxes scoring at least this (default 0.3)")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Batch size (default: the run's micro-batch)")] = None,
+    batch_size: RunBatch = None,
     ann: Annotated[Optional[str], typer.Option(parser=text,
         help="Detection: COCO annotation JSON whose file_names give the image ids (default: 1..N)")] = None,
     num_workers: Annotated[int, typer.Option(help="Image decoding workers")] = 2,
-    max_image_pixels: Annotated[Optional[int], typer.Option(
-        help="Refuse images above this many pixels, read from their header (default: the run's, else PIL's "
-        "89478485)")] = None,
+    max_image_pixels: RunMaxPixels = None,
     overwrite: Annotated[bool, typer.Option(help="Replace the files --out names when it exists (never a checkpoint's file)")] = False,
-    image_size: Annotated[Optional[int], typer.Option(
-        help="Detection: test short side (default: the run's --image-size; the published DINO tests at 800)")] = None,
-    max_size: Annotated[Optional[int], typer.Option(
-        help="Detection: test longest-side cap (default: --image-size x 1333 / 800, or the run's)")] = None,
+    image_size: TestSize = None,
+    max_size: TestMaxSize = None,
     onnx: Annotated[Optional[Path], typer.Option(
         parser=path, help="Detection: run this ONNX file of `vtrain export` with onnxruntime instead of a checkpoint")] = None,
 ) -> None:
@@ -186,10 +174,7 @@ def predict(
     check_exists(checkpoint, "--checkpoint")
     from vtrain.tools.predict import predict as run_predict
 
-    if batch_size is not None and batch_size < 1:
-        raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
-    if num_workers < 0:
-        raise VtrainError("--num-workers: must be >= 0")
+    check_value(DataConfig, "num_workers", num_workers)  # train's rule (--batch-size: tools/predict.py, the same)
     report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
                          batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels,
                          overwrite=overwrite, image_size=image_size, max_size=max_size, onnx=onnx)
@@ -207,7 +192,7 @@ def consolidate_cmd(
     ckpt: Annotated[Path, typer.Argument(
         parser=path, help="vtrain run/checkpoint dir, DeepSpeed checkpoint, Accelerate state")],
     out: Annotated[Path, typer.Argument(parser=path, help="Output file: .safetensors or .pt")],
-    dtype: Annotated[str, typer.Option(parser=text, help="Output dtype: fp32 (default), bf16 or fp16")] = "fp32",
+    dtype: Annotated[Dtype, typer.Option(help="Output dtype: fp32 (default), bf16 or fp16", show_default=False)] = Dtype.fp32,
     max_shard_size: Annotated[Optional[str], typer.Option(
         parser=text, help="Split into shards + index, e.g. 5GB")] = None,
     allow_nonfinite: Annotated[bool, typer.Option(help="Write even when tensors hold inf/NaN")] = False,
@@ -216,13 +201,11 @@ def consolidate_cmd(
     backbone_only: Annotated[bool, typer.Option(
         help="Metric: leave the class head out (backbone + embedding neck, what inference needs)")] = False,
     verbose: Annotated[bool, typer.Option(help="Show notes and peak RSS")] = False,
-    best: Annotated[bool, typer.Option("--best", help="The run's best checkpoint (checkpoints/best.json)")] = False,
+    best: Best = False,
     weights: Annotated[Optional[str], typer.Option(parser=text,
         help="ema or model (default: ema when the vtrain checkpoint has EMA weights)")] = None,
 ) -> None:
     """Turn a (sharded) checkpoint into one verified state dict; every tensor, buffers included, is scanned."""
-    if dtype not in ("fp32", "bf16", "fp16"):  # before the imports: a typo is reported at once
-        raise VtrainError("--dtype: choose one of fp32, bf16, fp16")
     check_exists(ckpt, "CKPT")
     import torch
     from rich.table import Table
@@ -230,7 +213,7 @@ def consolidate_cmd(
     from vtrain.tools.consolidate import consolidate, parse_size
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    report = consolidate(ckpt, out, dtypes[dtype], parse_size(max_shard_size), allow_nonfinite, check_model,
+    report = consolidate(ckpt, out, dtypes[dtype.value], parse_size(max_shard_size), allow_nonfinite, check_model,
                          overwrite, weights, best, backbone_only)
     console.print(f"found: {report.source.description}", soft_wrap=True)
     console.print(f"{report.tensors} tensors, {report.numel:,} elements", soft_wrap=True)
@@ -247,7 +230,7 @@ def consolidate_cmd(
             t.add_row(o.name, o.dtype, str(o.nonfinite), str(o.overflow), str(o.numel), "yes" if o.is_buffer else "")
         console.print(t)
         cast = sum(o.overflow > 0 for o in report.offenders)
-        why = (f" ({cast} of them only after the cast to {dtype}: values beyond its range; --dtype bf16 or fp32 "
+        why = (f" ({cast} of them only after the cast to {dtype.value}: values beyond its range; --dtype bf16 or fp32 "
                "keeps them)" if cast else "")
         if not allow_nonfinite:
             raise VtrainError(f"{len(report.offenders)} tensors hold inf/NaN as written{why}; {out} was not written "
@@ -266,8 +249,7 @@ def export_cmd(
     opset: Annotated[int, typer.Option(help="ONNX opset (18 up to what the installed onnx/onnxscript write)")] = 18,
     verify: Annotated[bool, typer.Option(help="Compare onnxruntime with PyTorch on inputs the export did not trace")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT (and OUT.data) when it exists (never a checkpoint's file)")] = False,
-    weights: Annotated[Optional[str], typer.Option(
-        parser=text, help="ema or model (default: ema when the checkpoint has EMA weights)")] = None,
+    weights: Weights = None,
     raw: Annotated[Optional[bool], typer.Option(
         "--raw", help="Detection: output the raw logits and boxes of every query instead of the top-k detections")] = None,
     msda: Annotated[Optional[str], typer.Option(
@@ -308,71 +290,22 @@ def export_cmd(
 
 
 @app.command("estimate-memory")
-def estimate_memory_cmd(
-    model: Annotated[Optional[str], typer.Option("--model", parser=text, help="Preset (see `vtrain presets`)")] = None,
-    task: Annotated[Optional[Task], typer.Option(help="dino (default) or metric")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Per-GPU micro-batch")] = None,
-    grad_accum: Annotated[Optional[int], typer.Option(
-        help="Micro-batches per optimizer step (the later ones hold the window's gradients)")] = None,
-    image_size: Annotated[Optional[str], typer.Option(
-        parser=text, help="HxW or S, e.g. 800x1333 (DINO) or 112 (metric)")] = None,
-    mixed_precision: Annotated[Optional[Precision], typer.Option(help="no, bf16 or fp16")] = None,
-    grad_ckpt: Annotated[Optional[str], typer.Option(help=recompute.HELP)] = None,
-    zero: Annotated[Optional[int], typer.Option(help="DeepSpeed ZeRO stage 0-3 (0: DDP)")] = None,
-    fsdp: Annotated[Optional[bool], typer.Option("--fsdp", help="FSDP2 instead of DDP/ZeRO")] = None,
-    offload: Annotated[Optional[str], typer.Option(parser=text, help="none, optimizer or all")] = None,
-    gpus: Annotated[int, typer.Option(help="Data-parallel GPUs")] = 1,
-    num_classes: Annotated[Optional[int], typer.Option(help="Classes (DINO: 80) or identities (metric)")] = None,
-    gpu_memory: Annotated[float, typer.Option(help="GiB per GPU for the largest-batch answer")] = 24.0,
-    config: Annotated[Optional[Path], typer.Option(
-        parser=path, help="A `vtrain train` YAML: estimate that exact run")] = None,
-    ds_config: Annotated[Optional[str], typer.Option(
-        parser=text, help="DeepSpeed JSON (stage, offload, buckets, bf16)")] = None,
-    compare_gc: Annotated[bool, typer.Option(help="Also trace the other checkpointing choices (slower)")] = True,
-    memory_budget: Annotated[Optional[float], typer.Option(
-        help="Plan --grad-ckpt auto for this many GiB per GPU: print the plan and the largest batch that fits")] = None,
-    head_parallel: Annotated[Optional[str], typer.Option(parser=text,
-        help="Metric head: none or sharded (Partial FC: each GPU holds 1/--gpus of the identities)")] = None,
-    sample_rate: Annotated[Optional[float], typer.Option(
-        help="Sharded head: share of each GPU's identities per step (1.0: all)")] = None,
-    neck_norm: Annotated[Optional[str], typer.Option(parser=text,
-        help="Metric: embedding neck norm, bn (default; needs a micro-batch >= 2), ln or none")] = None,
-    breakdown: Annotated[bool, typer.Option(
-        "--breakdown", help="Show the modules holding the most activation bytes at the peak, and the bytes per "
-        "recompute unit")] = False,
-    breakdown_rows: Annotated[Optional[int], typer.Option(
-        help="Modules --breakdown shows (the rest as one row; default 15)")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON object")] = False,
-) -> None:
+@command_of(EstimateOptions)
+def estimate_memory_cmd(opts: EstimateOptions) -> None:
     """Predict per-GPU training memory from the real model, without a GPU (fake tensors, one traced step)."""
-    if not (0 < gpu_memory < float("inf")):
-        raise VtrainError(f"--gpu-memory: must be a positive number of GiB, got {gpu_memory}")
-    if gpus < 1:
-        raise VtrainError(f"--gpus: must be >= 1, got {gpus}")
-    if batch_size is not None and batch_size < 1:
-        raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
-    if breakdown_rows is not None and (breakdown_rows < 1 or not breakdown):
-        raise VtrainError(f"--breakdown-rows: the rows of the --breakdown table, >= 1 and with --breakdown; got "
-                          f"{breakdown_rows}{'' if breakdown else ' without --breakdown'}")
-    if memory_budget is not None and not (0 < memory_budget < float("inf")):
-        raise VtrainError(f"--memory-budget: must be a positive number of GiB, got {memory_budget}")
+    opts.run_config()  # the run's values checked as `vtrain train` checks them, before the imports: an error at once
     tracing = ("estimate-memory: building the model on the meta device and tracing one training step with fake "
                "tensors (no memory is allocated; up to a minute for a large model, more with --memory-budget or the "
                "other checkpointing choices)")
-    if as_json:  # stdout is the JSON object alone
+    if opts.as_json:  # stdout is the JSON object alone
         print(tracing, file=sys.stderr)
     else:
         console.print(tracing, soft_wrap=True)
-    from vtrain.tools.estimate_memory import estimate_report, setup_from  # after the checks: a bad number at once
+    from vtrain.tools.estimate_memory import estimate_report, setup_from
 
-    setup = setup_from(model=model, task=task.value if task else None, batch_size=batch_size, image_size=image_size,
-                       precision=mixed_precision.value if mixed_precision else None, grad_ckpt=grad_ckpt, zero=zero,
-                       fsdp=fsdp, offload=offload, gpus=gpus, num_classes=num_classes, config=config,
-                       ds_config=ds_config, head_parallel=head_parallel, sample_rate=sample_rate,
-                       memory_budget=memory_budget, neck_norm=neck_norm, grad_accum=grad_accum)
-    rows = (15 if breakdown_rows is None else breakdown_rows) if breakdown else 0
-    report = estimate_report(setup, gpu_memory, compare_gc, rows)
-    if as_json:
+    rows = (15 if opts.breakdown_rows is None else opts.breakdown_rows) if opts.breakdown else 0
+    report = estimate_report(setup_from(opts), opts.gpu_memory, opts.compare_gc, rows)
+    if opts.as_json:
         plain(json.dumps(report))
         return
     from vtrain.tools.memory_table import render

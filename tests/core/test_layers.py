@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("memory", {"memory"}),
     ("engine", {"engine"}),
     ("tools", {"tools"}),
-    ("cli", {"cli", "cli_rules", "__main__"}),
+    ("cli", {"cli", "cli_rules", "cli_options", "__main__"}),
 ]
 
 # modules allowed to import vtrain modules inside functions, and why (never to dodge an import circle)

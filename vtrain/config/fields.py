@@ -53,6 +53,14 @@ def fail(cls: type, name: str, msg: str) -> typing.NoReturn:
     raise ConfigError(f"{where(cls, name)}: {msg}")
 
 
+def check_value(cls: type, name: str, value: Any) -> None:
+    """`value` of field `name` checked by its section's own rule (the section built with it, its other fields at
+    their defaults): how another command refuses a value it shares with `vtrain train` (`eval --batch-size 0`),
+    in the words of train's error (`--batch-size (train.batch_size): ...`)."""
+    if value is not None:
+        cls(**{name: value})
+
+
 class Section:
     """A config section: pure values, checked in `__post_init__` with `_check` (no file is opened: paths.py)."""
 

@@ -10,6 +10,10 @@ from vtrain.config.fields import CLI_CHOICE, NO_FLAG, Section
 
 Precision = Literal["auto", "no", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
+ZeroStage = Literal[0, 1, 2, 3]
+"""A DeepSpeed ZeRO stage (0: DDP); a run's comes from its --ds-config (ds_json.py), `estimate-memory` takes --zero."""
+Offload = Literal["none", "optimizer", "all"]
+"""What DeepSpeed moves to the CPU: nothing, the optimizer states, or parameters too (ZeRO-3 only)."""
 
 
 @dataclass

@@ -84,8 +84,8 @@ class TrainConfig(Section):
         check = self._check
         check(self.epochs is None or self.epochs > 0, "epochs", f"must be > 0, got {self.epochs}")
         check(self.max_steps is None or self.max_steps > 0, "max_steps", f"must be > 0, got {self.max_steps}")
-        check(self.batch_size > 0, "batch_size", f"must be > 0, got {self.batch_size}")
-        check(self.grad_accum > 0, "grad_accum", f"must be > 0, got {self.grad_accum}")
+        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        check(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
         check(self.save_every > 0, "save_every", f"must be > 0, got {self.save_every}")
         check(self.keep_last > 0, "keep_last", f"must be > 0, got {self.keep_last}")
         check(self.eval_every is None or self.eval_every >= 0, "eval_every", "must be >= 0")

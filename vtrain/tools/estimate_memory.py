@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from vtrain import recompute
-from vtrain.config import NECK_NORMS, ModelConfig, build_config, check_neck_batch, read_yaml
+from vtrain.config.estimate import EstimateOptions
 from vtrain.config.ds_json import bucket_sizes, check_structure, explicit_16bit, read_json, stage3_sizes, zero_settings
 from vtrain.engine.engines.plan import resolve_precision
 from vtrain.engine.step_costs import run_facts
@@ -20,15 +20,7 @@ from vtrain.memory.planner import Plan, plan as make_plan
 from vtrain.memory.setup import Setup, run_setup
 from vtrain.memory.sizing import GiB, Estimate, estimate, max_batch_that_fits
 from vtrain.memory.trace import StepTrace, trace
-from vtrain.presets import presets_for
 from vtrain.tasks.dino import test_sizes
-
-
-def _at_least_one(value: int, flag: str) -> int:
-    """A count option's value (batch size, accumulation, GPUs, classes): one error line below 1."""
-    if value < 1:
-        raise VtrainError(f"{flag}: must be >= 1")
-    return value
 
 
 def _ds_fields(path: str) -> dict[str, Any]:
@@ -56,98 +48,40 @@ def parse_image_size(text: str, task: str) -> tuple[int, int]:
     return nums[0], nums[1]
 
 
-def setup_from(*, model=None, task=None, batch_size=None, image_size=None, precision=None, grad_ckpt=None,
-               zero=None, fsdp=None, offload=None, gpus=1, num_classes=None, config=None, ds_config=None,
-               head_parallel=None, sample_rate=None, memory_budget=None, neck_norm=None, grad_accum=None) -> Setup:
-    """A Setup from `vtrain train`'s config file (if any), then explicit flags; validated here (CLI boundary).
-    `memory_budget` (GiB; or the config's `model.memory_budget` with `grad_ckpt: [auto]`) asks for a recompute
-    plan: the Setup's own checkpointing is then empty and the planner fills it."""
-    s = Setup()
-    auto = False
-    if config is not None:
-        cfg = build_config(None, read_yaml(config))
-        s = run_setup(cfg, resolve_precision(cfg.parallel.mixed_precision), fsdp=cfg.parallel.fsdp)
-        auto = recompute.parse(cfg.model.grad_ckpt).auto
-        memory_budget = memory_budget if memory_budget is not None else cfg.model.memory_budget
-        ds_config = ds_config or cfg.parallel.ds_config
-    elif task == "metric":
-        s.task, s.preset, s.image_size, s.batch_size, s.num_classes = "metric", "vit-b", (112, 112), 128, 10_000
-    if task is not None and task != s.task:
-        s.task = task
-    if ds_config:
-        for k, v in _ds_fields(ds_config).items():
+def setup_from(opts: EstimateOptions | None = None, /, **flags: Any) -> Setup:
+    """The Setup of estimate-memory's options (`opts`, or `flags` as its fields): the run config resolved and checked
+    as `vtrain train` resolves one (EstimateOptions.run_config), then what only this command sets (the traced
+    --image-size, the engine of --ds-config, --zero, --offload, --gpus, --num-classes), checked here. A budget
+    (`--memory-budget`, or a config's `model.memory_budget` with `grad_ckpt: [auto]`) asks for a recompute plan: the
+    Setup's own checkpointing is then empty and the planner fills it."""
+    o = opts if opts is not None else EstimateOptions(**flags)
+    cfg = o.run_config()
+    s = run_setup(cfg, resolve_precision(cfg.parallel.mixed_precision), fsdp=cfg.parallel.fsdp)
+    if cfg.parallel.ds_config:
+        for k, v in _ds_fields(cfg.parallel.ds_config).items():
             setattr(s, k, v)
-    if model is not None:
-        s.preset = model
-    names = presets_for(s.task)
-    if s.preset not in names:
-        raise VtrainError(f"--model: unknown {s.task} preset {s.preset!r}; choose one of: {', '.join(names)}")
-    if batch_size is not None:
-        s.batch_size = _at_least_one(batch_size, "--batch-size")
-    if grad_accum is not None:
-        s.grad_accum = _at_least_one(grad_accum, "--grad-accum")
-    if image_size is not None:
-        s.image_size = parse_image_size(image_size, s.task)
-    if precision is not None:
-        s.precision = resolve_precision(precision)
-    try:
-        spec = recompute.parse(grad_ckpt if grad_ckpt is not None else s.grad_ckpt)
-        recompute.check_parts(spec, s.task)
-    except recompute.SpecError as e:
-        raise VtrainError(f"--grad-ckpt: {e}; forms: {recompute.FORMS}") from None
-    auto = spec.auto or (auto and grad_ckpt is None)
-    s.grad_ckpt = () if spec.auto else tuple(spec.canonical())
-    if memory_budget is not None:
-        if not 0 < memory_budget < float("inf"):
-            raise VtrainError(f"--memory-budget: must be a positive number of GiB, got {memory_budget}")
-        if s.grad_ckpt:
-            raise VtrainError(f"--memory-budget: plans the checkpointing itself; leave out --grad-ckpt "
-                              f"{','.join(s.grad_ckpt)} (or give --grad-ckpt auto)")
-        s.memory_budget = float(memory_budget)
-    elif auto:
-        raise VtrainError("--grad-ckpt auto: estimate-memory needs --memory-budget GIB (a training run on a GPU "
-                          "takes the device's memory; here there is no device to read)")
-    if zero is not None:
-        if zero not in (0, 1, 2, 3):
-            raise VtrainError("--zero: choose 0, 1, 2 or 3")
-        s.zero = zero
-    if fsdp:
-        s.fsdp = True
+    if o.image_size is not None:
+        s.image_size = parse_image_size(o.image_size, s.task)
+    if recompute.parse(cfg.model.grad_ckpt).auto:
+        if cfg.model.memory_budget is None:
+            raise VtrainError("--grad-ckpt auto: estimate-memory needs --memory-budget GIB (a training run on a GPU "
+                              "takes the device's memory; here there is no device to read)")
+        s.memory_budget = float(cfg.model.memory_budget)
+    if o.zero is not None:
+        s.zero = o.zero
     if s.fsdp and s.zero:
         raise VtrainError("--fsdp: cannot be combined with --zero (choose DeepSpeed or FSDP)")
-    if offload is not None:
-        if offload not in ("none", "optimizer", "all"):
-            raise VtrainError("--offload: choose none, optimizer or all")
-        s.offload = offload
+    if o.offload is not None:
+        s.offload = o.offload
     if s.offload == "all" and s.zero != 3:
         raise VtrainError("--offload all: parameter offload needs --zero 3")
     if s.offload != "none" and not s.zero:
         raise VtrainError("--offload: offloading needs DeepSpeed (--zero 1-3)")
-    s.gpus = _at_least_one(gpus, "--gpus")
-    if num_classes is not None:
-        s.num_classes = _at_least_one(num_classes, "--num-classes")
-    if head_parallel is not None:
-        if head_parallel not in ("none", "sharded"):
-            raise VtrainError("--head-parallel: choose none or sharded")
-        s.head_parallel = head_parallel
-    if sample_rate is not None:
-        if not 0 < sample_rate <= 1:
-            raise VtrainError(f"--sample-rate: must be in (0, 1], got {sample_rate}")
-        s.sample_rate = sample_rate
-    if s.head_parallel == "sharded" and s.task != "metric":
-        raise VtrainError("--head-parallel sharded: the sharded head is the face (metric) head; add --task metric")
-    if s.sample_rate < 1 and s.head_parallel != "sharded":
-        raise VtrainError(f"--sample-rate {s.sample_rate}: negative sampling needs --head-parallel sharded")
+    s.gpus = o.gpus
+    if o.num_classes is not None:
+        s.num_classes = o.num_classes
     if s.head_parallel == "sharded" and s.num_classes < s.gpus:
         raise VtrainError(f"--head-parallel sharded: {s.num_classes} identities cannot be split over {s.gpus} GPUs")
-    if neck_norm is not None:
-        if neck_norm not in NECK_NORMS:
-            raise VtrainError(f"--neck-norm: choose one of {', '.join(NECK_NORMS)}")
-        if s.task != "metric":
-            raise VtrainError("--neck-norm: the embedding neck is the face model's; add --task metric")
-        s.neck_norm = neck_norm
-    if s.task == "metric":
-        check_neck_batch(s.neck_norm, s.batch_size)  # the rule `vtrain train` applies to the same run
     return s
 
 

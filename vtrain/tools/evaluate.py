@@ -15,7 +15,8 @@ from torch import nn
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from vtrain.io import guarded
-from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING, DataConfig, RunConfig, load_run_config
+from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, DataConfig, RunConfig, TrainConfig, load_run_config
+from vtrain.config.fields import check_value
 from vtrain.config.paths import check_data
 from vtrain.data.ijb import find_ijb
 from vtrain.engine.checkpoint import format as ckpt
@@ -122,8 +123,7 @@ def evaluate_checkpoint(checkpoint: Path, data: dict[str, Any], batch_size: int 
     metrics["test_size"] is the one used. `classwise`: AP per category, refused for a face checkpoint before
     anything is evaluated. `ijb` / `ijb_target`: IJB-B/C 1:1 verification instead (tools/ijb_eval.py), which takes
     none of the data flags but --max-image-pixels."""
-    if batch_size is not None and batch_size < 1:  # 0 is refused, never taken for "not given"
-        raise VtrainError(f"--batch-size: must be >= 1, got {batch_size}")
+    check_value(TrainConfig, "batch_size", batch_size)  # train's rule: 0 is refused, never taken for "not given"
     if ijb is not None or ijb_target is not None:
         others = [flag for key, flag in DATA_FLAGS if data.get(key) is not None]
         others += [flag for flag, v in (("--save-predictions", save_predictions), ("--image-size", image_size),
@@ -186,8 +186,7 @@ def evaluate_ijb(checkpoint: Path, root: Path | None, target: str | None = None,
         raise VtrainError("--ijb: only for face (metric) checkpoints")
     if others:
         raise VtrainError(f"{others[0]}: not with --ijb")
-    if max_pixels is not None and not 1 <= max_pixels <= MAX_IMAGE_PIXELS_CEILING:
-        raise VtrainError(f"--max-image-pixels: must be in 1..{MAX_IMAGE_PIXELS_CEILING} pixels, got {max_pixels}")
+    check_value(DataConfig, "max_image_pixels", max_pixels)
     files = find_ijb(root, target)
     found = checkpoint_task(checkpoint)  # a missing or foreign checkpoint before the protocol is read
     if found != "metric":

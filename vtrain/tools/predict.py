@@ -34,7 +34,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.utils import draw_bounding_boxes
 
 from vtrain.io import guarded
-from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_CEILING
+from vtrain.config import DEFAULT_MAX_IMAGE_PIXELS, DataConfig, TrainConfig
+from vtrain.config.fields import check_value
 from vtrain.data.coco import check_resizable, collate, load_coco, normalize, test_transforms
 from vtrain.data.faces import load_image
 from vtrain.data.images import decode_rgb
@@ -136,8 +137,7 @@ def _loader(files: list[Path], load: Callable, batch_size: int, num_workers: int
 def _batch(given: int | None, cfg) -> int:
     """--batch-size, else the run's micro-batch, else (an ONNX file) 1; 0 is refused, never taken for "not
     given"."""
-    if given is not None and given < 1:
-        raise VtrainError(f"--batch-size: must be >= 1, got {given}")
+    check_value(TrainConfig, "batch_size", given)  # train's rule
     if given is None:
         return 1 if cfg is None else cfg.train.batch_size
     return given
@@ -145,8 +145,7 @@ def _batch(given: int | None, cfg) -> int:
 
 def _max_pixels(given: int | None, saved_data: dict[str, Any]) -> int:
     """--max-image-pixels, else the run's own limit, else PIL's default."""
-    if given is not None and not 1 <= given <= MAX_IMAGE_PIXELS_CEILING:
-        raise VtrainError(f"--max-image-pixels: must be in 1..{MAX_IMAGE_PIXELS_CEILING} pixels, got {given}")
+    check_value(DataConfig, "max_image_pixels", given)  # train's rule
     return given or saved_data.get("max_image_pixels") or DEFAULT_MAX_IMAGE_PIXELS
 
 
