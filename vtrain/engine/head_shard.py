@@ -4,8 +4,8 @@ finiteness check and per-rank checkpoint files.
 The head (models/partial_fc.py) lives OUTSIDE the module handed to Accelerate / DDP / FSDP2 / DeepSpeed: ZeRO and
 FSDP never partition it, DDP never all-reduces it (each rank's rows are its own), and its optimizer state is
 sharded by construction. The trainer calls `loss` per micro-batch; the engine steps the head as one more optimizer
-(engine/engines/base.py): `grad_sq_norm` before the backbone step (one global clip norm), `step` after an applied
-backbone update (or `zero_grad` after a skipped one).
+(engine/engines/torch_engine.py, deepspeed.py): `grad_sq_norm` before the backbone step (one global clip norm),
+`step` after an applied backbone update (or `zero_grad` after a skipped one).
 
 Checkpoints: every rank writes `head/classes_<start>-<end>.safetensors` with its rows of the weight, the AdamW
 moments and the per-row step counts, and the class range in the metadata. Loading reads the rows of the new

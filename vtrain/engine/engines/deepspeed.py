@@ -35,22 +35,23 @@ from vtrain.engine import precision as prec
 from vtrain.engine.compile import compiled_blocks
 from vtrain.engine.ds_ops import announce_builds, quiet_other_ranks
 from vtrain.engine.engines.ds_writes import guarded_save
-from vtrain.engine.engines.base import Engine, average_buffers, free_port, persistent_buffers
+from vtrain.engine.engines.base import Shared, average_buffers, free_port, persistent_buffers
 from vtrain.engine.engines.ds_internals import TESTED, check_version, zero_norm_with_head
 from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
 from vtrain.io.safeio import enforce_weights_only
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(Shared):
+    """The engine interface (base.Engine) over DeepSpeed's engine; nothing of the torch engine's step, precision or
+    files is inherited."""
+
     layout = engine_layout.DEEPSPEED
 
     def __init__(self, plan: Plan, accelerator: Any) -> None:
         super().__init__(plan, accelerator)
+        self.scaler = None  # DeepSpeed scales fp16 losses itself (its loss scale is in its own checkpoint)
         self.zero3 = plan.zero_stage == 3
         self.bn_fp32_layers = 0
-
-    def _grad_scaler(self) -> None:
-        return None  # DeepSpeed scales fp16 losses itself
 
     # ---- before the engine exists: the launch ---------------------------------------------------------------
     @classmethod
@@ -94,7 +95,8 @@ class DeepSpeedEngine(Engine):
     def describe_precision(cls, plan: Plan) -> str:
         return {"torch_autocast": f"{plan.precision} autocast, fp32 master weights (DeepSpeed torch_autocast)",
                 "bf16": "DeepSpeed full bf16 (BatchNorm kept fp32)", "fp16": "DeepSpeed fp16 + loss scaling",
-                "fp32": "fp32"}.get(plan.ds_precision_mode) or super().describe_precision(plan)
+                "fp32": "fp32"}.get(plan.ds_precision_mode) or (
+                    "fp32" if plan.precision == "no" else f"{plan.precision} autocast, fp32 master weights")
 
     @classmethod
     def estimator_fields(cls, plan: Plan) -> dict[str, Any]:
@@ -278,6 +280,11 @@ class DeepSpeedEngine(Engine):
                 else:
                     p.copy_(full[name].to(p.dtype))
 
+    def optimizer_groups(self) -> list[list[tuple[str, torch.Tensor]]]:
+        """No Accelerate optimizer file to check before loading (the layout names none): DeepSpeed's partitions
+        are checked once loaded (`optimizer_states`)."""
+        return []
+
     def optimizer_states(self) -> list[tuple[str, torch.Tensor, Any]]:
         """DeepSpeed's flat fp32 partitions ("group G" of its base optimizer), as loaded. Empty where DeepSpeed swaps
         the state out to NVMe (not in memory to check)."""
@@ -304,7 +311,7 @@ class DeepSpeedEngine(Engine):
 
     def whole_tensor(self, p: nn.Parameter, local: torch.Tensor) -> torch.Tensor | None:
         if not self.zero3:
-            return super().whole_tensor(p, local)
+            return local.detach().cpu().clone() if self.accelerator.is_main_process else None
         group = getattr(p, "ds_process_group", None)
         part = local.to(self.device)
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
