@@ -132,7 +132,7 @@ class Trainer:
                               f"than --grad-accum {t.grad_accum}; lower it or set --max-steps")
         self.total_steps = t.max_steps or (t.epochs or 1) * per_epoch
         # 7. one prepare (DDP wrap / DeepSpeed engine; the sharded head is stepped with the optimizer); the
-        # scheduler computes LRs, engine.set_lrs applies them (the head takes the schedule's multiplier); then the
+        # scheduler, which the engine steps with the update (the head takes the schedule's multiplier); then the
         # check of what is really active, and the EMA
         self.model, self.optimizer = self.engine.prepare(model, optimizer, self.head)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
@@ -239,20 +239,15 @@ class Trainer:
                 if v.ndim == 0 and finite:
                     v = v.detach().float()
                     sums[k] = sums[k] + v if k in sums else v
-        lr = self.engine.current_lr()  # the LR this update uses, read from the optimizer that steps
+        # the engine's step: the sharded head's update and the schedule's included; `lr`: the LR this step used
+        update = self.engine.step(self.cfg.optim.clip_grad) if window_ok else self.engine.skip()
+        if update.applied and self.ema is not None:  # the EMA follows real updates (an fp16 overflow skip is none)
+            self.ema.update()
         if window_ok:
-            grad_norm, applied = self.engine.step(self.cfg.optim.clip_grad)  # the sharded head's update included
-            if applied:  # the schedule and the EMA follow real updates (an fp16 overflow skip is none)
-                self.scheduler.step()
-                self.engine.set_lrs(self.scheduler.get_last_lr())
-                if self.ema is not None:
-                    self.ema.update()
-            else:
+            if not update.applied:
                 self.overflow_skips += 1
             self.consecutive_nonfinite = 0
         else:
-            self.engine.zero_grad()
-            grad_norm = None
             self.skipped_steps += 1
             self.consecutive_nonfinite += 1
         self.step += 1
@@ -262,10 +257,10 @@ class Trainer:
         self.consumed_samples += accum * self.cfg.train.batch_size * self.world
         # loss components and grad_norm are 0-d device tensors (none in a skipped window); lr is a host float
         stats: dict[str, Any] = {k: v / accum for k, v in sums.items()} if window_ok else {}
-        if grad_norm is not None:
-            stats["grad_norm"] = grad_norm
+        if update.grad_norm is not None:
+            stats["grad_norm"] = update.grad_norm
             stats.update(self.engine.norm_parts)  # sharded head: the backbone's and the head's share of it
-        stats["lr"] = lr
+        stats["lr"] = update.lr
         stats["skipped"] = not window_ok
         return stats
 

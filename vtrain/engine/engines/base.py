@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -60,10 +61,23 @@ def average_buffers(module: nn.Module) -> None:
             all_mean_(b.data)
 
 
+@dataclass(frozen=True)
+class Update:
+    """What one optimizer step did (`Engine.step`, `Engine.skip`)."""
+
+    grad_norm: torch.Tensor | None
+    """The global gradient norm before clipping, a 0-d tensor left on the device (None: a skipped window)."""
+    applied: bool
+    """Whether the update was applied (False: a skipped window, or fp16 loss scaling found an overflow)."""
+    lr: float
+    """The LR this step used (first group), read from the optimizer that steps before the schedule moved on: the
+    LR in force at this step, the one the log reports."""
+
+
 class Engine(Protocol):
     """What the rest of a run calls on its engine. The Trainer: the build (`check_sharded_head` through the head's
     builder, `shard`, `prepare`, `follow`, `active`, `verify`), the step (`input_dtype`, `sync_context`,
-    `forward_context`, `all_finite`, `backward`, `step`, `zero_grad`, `norm_parts`, `loss_scaled`,
+    `forward_context`, `all_finite`, `backward`, `step` or `skip`, `norm_parts`, `loss_scaled`,
     `parameters_finite`, `sync_buffers`) and the log's first line (`describe`, `describe_precision`). The
     checkpointer: `layout`, `scaler`, `save`, `load`, the reshard route, `full_state_dict`, the optimizer's groups,
     states and file, `param_groups`/`set_lrs`. The EMA: `module` and the tensors this rank holds."""
@@ -112,11 +126,10 @@ class Engine(Protocol):
     def sync_context(self, sync: bool) -> contextlib.AbstractContextManager: ...
     def all_finite(self, loss: torch.Tensor) -> bool: ...
     def backward(self, loss: torch.Tensor, grad_accum: int) -> None: ...
-    def step(self, clip_grad: float) -> tuple[torch.Tensor, bool]: ...
-    def zero_grad(self) -> None: ...
+    def step(self, clip_grad: float) -> Update: ...
+    def skip(self) -> Update: ...
     def param_groups(self) -> list[dict]: ...
     def set_lrs(self, lrs: list[float]) -> None: ...
-    def current_lr(self) -> float: ...
 
     # state
     def sync_buffers(self) -> None: ...
@@ -190,8 +203,8 @@ class Shared:
         return self.model, self.optimizer
 
     def follow(self, scheduler: Any) -> None:
-        """The LR schedule: the sharded head's update takes its multiplier (the backbone's groups get their LRs
-        through `set_lrs`)."""
+        """The LR schedule, which `step` advances after every applied update; the sharded head's update takes its
+        multiplier, the backbone's groups get its LRs through `set_lrs`."""
         self.scheduler = scheduler
 
     @property
@@ -206,6 +219,33 @@ class Shared:
         a backward over a NaN loss cannot be undone everywhere (DeepSpeed ZeRO-1/2 accumulates reduced gradients
         in partition buffers that `zero_grad` leaves alone), so the skip is decided before backward, not after."""
         return all_true(torch.isfinite(loss.detach()))
+
+    def step(self, clip_grad: float) -> Update:
+        """Clip, update and zero gradients, the sharded head's included (`_update`: the engine's own step); after an
+        applied update the schedule moves on and its LRs go into the optimizer that steps. Returns the step's norm,
+        whether it was applied and the LR it used (the schedule and the EMA follow real updates only: an fp16
+        overflow skip is none)."""
+        lr = self.current_lr()
+        norm, applied = self._update(clip_grad)
+        if applied:
+            self.scheduler.step()
+            self.set_lrs(self.scheduler.get_last_lr())
+        return Update(norm, applied, lr)
+
+    def skip(self) -> Update:
+        """A window with a non-finite loss on some rank: drop its gradients (the sharded head's included), leave the
+        schedule where it is. Returns the LR in force, which this step did not use."""
+        lr = self.current_lr()
+        self.zero_grad()
+        return Update(None, False, lr)
+
+    def _update(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
+        """The engine's own step: (global gradient norm before clipping, whether the update was applied)."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of a skipped (non-finite) accumulation window, the sharded head's included."""
+        raise NotImplementedError
 
     def _step_head(self, norm: torch.Tensor, applied: bool, clip_grad: float) -> None:
         """The sharded head's update after the backbone's, with the same norm, skip decision and LR multiplier."""

@@ -170,7 +170,7 @@ class DeepSpeedEngine(Shared):
     def backward(self, loss: torch.Tensor, grad_accum: int) -> None:
         self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
 
-    def step(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
+    def _update(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
         """DeepSpeed's own step, clipping from the filled gradient_clipping value. With the sharded head, the head's
         norm is handed to the ZeRO optimizer's own norm for that step (`zero_norm_with_head`), so the norm returned
         (DeepSpeed's: the one it clipped with) is the global one over both."""

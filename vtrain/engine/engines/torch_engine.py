@@ -87,7 +87,7 @@ class TorchEngine(Shared):
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def step(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
+    def _update(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
         """Clip, update and zero gradients, the sharded head's included. Returns the global gradient norm (before
         clipping) as a 0-d tensor left on the device (reading it would wait for the step: the loop reads it once
         per log line) and whether the update was applied (False when fp16 loss scaling found an overflow and
