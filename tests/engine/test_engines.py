@@ -30,7 +30,7 @@ from vtrain.engine.engines.plan import resolve_plan
 from vtrain.errors import VtrainError
 
 PACKAGE = ROOT / "vtrain"
-ENGINE_NAMES = set(ckpt.ENGINES)  # single, ddp, fsdp, deepspeed: what a plan's kind can be
+ENGINE_NAMES = set(ENGINES)  # single, ddp, fsdp, deepspeed: what a plan's kind can be
 
 
 @pytest.mark.parametrize("world, parallel, cls, layout", [
@@ -52,7 +52,7 @@ def test_each_configuration_gets_its_engine_class(world, parallel, cls, layout, 
     assert engine_class(plan) is cls
     engine = build_engine(plan, types.SimpleNamespace(device=torch.device("cpu")))
     assert type(engine) is cls and engine.layout is layout
-    assert engine_layout.OF_ENGINE[plan.kind] is layout  # what its checkpoints are read as
+    assert engine.kind == plan.kind and engine.reads_checkpoint_of(plan.kind)  # what its checkpoints are read as
 
 
 def test_a_run_chooses_its_engine_once():
@@ -65,8 +65,13 @@ def test_a_run_chooses_its_engine_once():
 
 
 def test_the_tables_name_the_same_engines():
-    assert set(ENGINES) == set(engine_layout.OF_ENGINE) == ENGINE_NAMES
-    assert all(ENGINES[k].layout is engine_layout.OF_ENGINE[k] for k in ENGINES)
+    """Each class names itself as the table does, and reads the checkpoints of exactly the engines of its layout
+    (one process is DDP of one); the checkpoint format names no engine."""
+    assert ENGINE_NAMES == {"single", "ddp", "fsdp", "deepspeed"}
+    assert all(cls.kind == k for k, cls in ENGINES.items())
+    for cls in ENGINES.values():
+        assert set(cls.reads) == {k for k, other in ENGINES.items() if other.layout is cls.layout}
+    assert not hasattr(ckpt, "ENGINES") and not hasattr(engine_layout, "OF_ENGINE")
 
 
 def _sources() -> dict[Path, str]:
@@ -105,14 +110,14 @@ def test_the_plans_engine_settings_are_read_by_the_engine_classes():
     ds_config.py, which fills the JSON they come from, and the trainer's record of them in run_info.json; the
     estimator reads the same names off its own Setup and the DeepSpeed JSON)."""
     allowed = {PACKAGE / "engine" / "engines" / "plan.py", PACKAGE / "engine" / "engines" / "ds_config.py",
-               PACKAGE / "engine" / "trainer.py",
                PACKAGE / "tools" / "estimate_memory.py"}
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p, src in _sources().items()
              if p.parent.name != "engines" and p not in allowed
              for i, line in enumerate(src.splitlines(), 1) if ENGINE_FIELDS.search(line)]
     assert not found, "\n".join(found)
     trainer = (PACKAGE / "engine" / "trainer.py").read_text()
-    assert [m.group(1) for m in ENGINE_FIELDS.finditer(trainer)] == ["zero_stage", "ds_precision_mode"]  # the record
+    assert "self.plan." not in trainer  # run_info.json's engine facts come from the live engine (run_facts)
+    assert "**self.engine.run_facts()" in trainer
 
 
 # ---- DeepSpeed: the internals vtrain patches, checked at start-up -------------------------------------------------

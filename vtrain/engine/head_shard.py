@@ -157,16 +157,16 @@ class ShardedHead:
         """Whether the head's weights are finite on every rank. Collective."""
         return all_true(torch.isfinite(self.fc.weight.detach()).all())
 
-    def active(self) -> dict[str, Any]:
-        """What is really active, for run_info.json: the head's rows here and that no engine wraps it."""
+    def active(self, partitioned: bool) -> dict[str, Any]:
+        """What is really active, for run_info.json: the head's rows here and that no engine wraps it
+        (`partitioned`: the engine's answer, whether it holds the head's weight in parts)."""
         w = self.fc.weight
         return {"head_parallel": "sharded", "head_class_start": self.fc.class_start,
                 "head_num_local": self.fc.num_local, "head_num_classes": self.fc.num_classes,
                 "head_sample_rate": self.fc.sample_rate, "head_update": self.update,
                 "head_arcface_grad": self.fc.arcface_grad if self.fc.kind == "arcface" else None,
                 "head_param_class": type(w).__name__,
-                "head_param_dtype": str(w.dtype), "head_partitioned": hasattr(w, "ds_tensor") or
-                type(w).__name__ == "DTensor"}
+                "head_param_dtype": str(w.dtype), "head_partitioned": partitioned}
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def save(self, ckpt_dir: Path) -> None:

@@ -70,7 +70,7 @@ class Trainer:
         self.lock = None
         notes = broadcast_from_main(self._claim_output_dir)
         rundir.check_shared(self.out, self.lock)  # collective: every rank sees rank 0's lock
-        self.checkpointer = Checkpointer(cfg, self.plan, self.accelerator)
+        self.checkpointer = Checkpointer(cfg, self.accelerator)
         self.resume, chosen = self.checkpointer.choose(self.engine)  # also the engine's reshard route, before prepare
         self.logger_notes: list[str] = notes + chosen
         self.resumed_from = self.resume.path if self.resume is not None else None
@@ -137,12 +137,10 @@ class Trainer:
         self.model, self.optimizer = self.engine.prepare(model, optimizer, self.head)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.engine.follow(self.scheduler)
-        self.active = self.engine.active()
+        self.active = self.engine.active()  # the sharded head's facts included
         self.active["grad_ckpt"] = recompute_summary(self.engine.unwrapped)  # read from the live blocks
         if self.memory_plan is not None:
             self.active.update(autoplan.report(self.engine.unwrapped, self.memory_plan))
-        if self.head is not None:
-            self.active.update(self.head.active())
         self.engine.verify(self.active)
         # the EMA starts from the weights as built (pretrained included); a resume below replaces it
         self.ema = WeightEMA(self.engine, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
@@ -436,9 +434,8 @@ class Trainer:
             mine["ema_local_fraction"] = self.ema.local_fraction()
         t = self.cfg.train
         write_run_info(self.out, self.is_main, {
-            "engine": self.plan.kind, "zero_stage": self.plan.zero_stage, "world_size": self.world,
-            "precision": self.plan.precision, "ds_precision_mode": self.plan.ds_precision_mode,
-            "grad_accum": t.grad_accum, "global_batch": t.batch_size * t.grad_accum * self.world,
+            **self.engine.run_facts(), "world_size": self.world, "grad_accum": t.grad_accum,  # the live engine's
+            "global_batch": t.batch_size * t.grad_accum * self.world,
             "total_steps": self.total_steps, "resumed_from": str(self.resumed_from) if self.resumed_from else None},
             mine)
         self._wrote_run_info = True

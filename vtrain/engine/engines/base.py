@@ -8,7 +8,7 @@ averages what this rank holds. Two implementations: the torch engine (engine/eng
 DDP and FSDP2, whose step is torch's own) and DeepSpeed (deepspeed.py, whose step, precision and files are
 DeepSpeed's). The class is chosen once from the plan (engine/engines/build.py): no method here or in the callers
 tests which engine runs. The class methods are what the launch needs before an engine exists (the Accelerator's
-settings, the optimizer class, the log's first line).
+settings, the optimizer class, the estimator's fields).
 
 `Shared` holds only what does not depend on how the step runs: the run's objects, Accelerate's prepare and load,
 the LR written into the optimizer that really steps, the sharded head's update after the model's, the finiteness
@@ -78,10 +78,13 @@ class Engine(Protocol):
     """What the rest of a run calls on its engine. The Trainer: the build (`check_sharded_head` through the head's
     builder, `shard`, `prepare`, `follow`, `active`, `verify`), the step (`input_dtype`, `sync_context`,
     `forward_context`, `all_finite`, `backward`, `step` or `skip`, `norm_parts`, `loss_scaled`,
-    `parameters_finite`, `sync_buffers`) and the log's first line (`describe`, `describe_precision`). The
+    `parameters_finite`, `sync_buffers`) and what it records of the run, read from the live engine (`run_facts`
+    for run_info.json, `describe` and `describe_precision` for the log's first line). The
     checkpointer: `layout`, `scaler`, `save`, `load`, the reshard route, `full_state_dict`, the optimizer's groups,
     states and file, `param_groups`/`set_lrs`. The EMA: `module` and the tensors this rank holds."""
 
+    kind: ClassVar[str]
+    """The engine's name (the plan's kind; train_state.json's `engine`)."""
     layout: ClassVar[engine_layout.EngineLayout]
     plan: Plan
     accelerator: Accelerator
@@ -97,10 +100,6 @@ class Engine(Protocol):
     def accelerator_options(cls, plan: Plan, cpu_only: bool) -> dict[str, Any]: ...
     @classmethod
     def after_accelerator(cls, plan: Plan) -> None: ...
-    @classmethod
-    def describe(cls, plan: Plan) -> str: ...
-    @classmethod
-    def describe_precision(cls, plan: Plan) -> str: ...
     @classmethod
     def estimator_fields(cls, plan: Plan) -> dict[str, Any]: ...
     @classmethod
@@ -151,14 +150,23 @@ class Engine(Protocol):
     def writing_local_tensors(self) -> contextlib.AbstractContextManager: ...
     def parameters_finite(self) -> bool: ...
 
+    def reads_checkpoint_of(self, saved_engine: str) -> bool: ...
+
     # what is really active
     def active(self) -> dict[str, Any]: ...
     def verify(self, info: dict[str, Any]) -> None: ...
+    def run_facts(self) -> dict[str, Any]: ...
+    def describe(self) -> str: ...
+    def describe_precision(self) -> str: ...
 
 
 class Shared:
     """What every engine does alike, whatever runs its step (see the module's docstring). Subclasses say how the
     step runs, what they save and which tensors a rank holds."""
+
+    kind: ClassVar[str]
+    reads: ClassVar[tuple[str, ...]]
+    """The engines (their `kind`) whose checkpoints this one resumes: those that wrote its layout."""
 
     def __init__(self, plan: Plan, accelerator: Accelerator) -> None:
         self.plan, self.accelerator = plan, accelerator
@@ -285,6 +293,10 @@ class Shared:
     def _gathered_state(self, main: bool) -> dict[str, torch.Tensor]:
         return self.unwrapped.state_dict() if main else {}
 
+    def reads_checkpoint_of(self, saved_engine: str) -> bool:
+        """Whether this engine resumes a checkpoint train_state.json says `saved_engine` wrote (its own layout)."""
+        return saved_engine in self.reads
+
     def load(self, path: Path) -> None:
         """Model + optimizer + this rank's RNG. The files vtrain can check before they are read were checked by the
         checkpointer (its RNG state, Accelerate's optimizer file: engine/checkpoint/content_state.py)."""
@@ -310,8 +322,22 @@ class Shared:
 
     # ---- what is really active -----------------------------------------------------------------------------
     def active(self) -> dict[str, Any]:
-        """Facts read from the live objects (not from flags), for this rank (engine/active.py)."""
-        return {**act.common_facts(self.plan, self.accelerator, self.model, self.module), **self._own_facts()}
+        """Facts read from the live objects (not from flags), for this rank (engine/active.py); with a sharded head,
+        its own facts and whether this engine holds its weight in parts (it must not: the head is beside the model
+        the engine wraps)."""
+        info = {**act.common_facts(self.plan, self.accelerator, self.model, self.module), **self._own_facts()}
+        if self.head is not None:
+            info.update(self.head.active(partitioned=self.partitions(self.head.fc.weight)))
+        return info
+
+    def partitions(self, p: torch.Tensor) -> bool:
+        """Whether `p` is held in parts by this engine (a rank holds a shard of it)."""
+        raise NotImplementedError
+
+    def run_facts(self) -> dict[str, Any]:
+        """The run's engine for run_info.json, read from the live engine: its name, ZeRO stage, precision and
+        DeepSpeed's precision mode."""
+        raise NotImplementedError
 
     def _own_facts(self) -> dict[str, Any]:
         return {}

@@ -11,10 +11,15 @@ import contextlib
 from typing import Any
 
 from vtrain.engine.engines.torch_engine import TorchEngine
-from vtrain.engine.engines.plan import Plan
+
+
+DDP_FAMILY = ("single", "ddp")
+"""One process is DDP of one: the same checkpoint layout, a run resumes across the two."""
 
 
 class DDPEngine(TorchEngine):
+    kind, reads = "ddp", DDP_FAMILY
+
     def sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
         """DDP's all-reduce runs in backward: `no_sync` keeps it off until the last micro-batch of the window."""
         return contextlib.nullcontext() if sync else self.model.no_sync()
@@ -28,6 +33,7 @@ class DDPEngine(TorchEngine):
 class SingleProcessEngine(TorchEngine):
     """One process: Accelerate's `prepare` returns the model as it is."""
 
-    @classmethod
-    def describe(cls, plan: Plan) -> str:
+    kind, reads = "single", DDP_FAMILY
+
+    def describe(self) -> str:
         return "single process"

@@ -45,6 +45,7 @@ class DeepSpeedEngine(Shared):
     """The engine interface (base.Engine) over DeepSpeed's engine; nothing of the torch engine's step, precision or
     files is inherited."""
 
+    kind, reads = "deepspeed", ("deepspeed",)
     layout = engine_layout.DEEPSPEED
 
     def __init__(self, plan: Plan, accelerator: Any) -> None:
@@ -86,17 +87,19 @@ class DeepSpeedEngine(Shared):
         # DeepSpeed creates a process group even for one process: gloo on CPU. cpu=True would drop DeepSpeed.
         return {"gloo": cpu_only, "cpu": False, "deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=plan.ds_config)}
 
-    @classmethod
-    def describe(cls, plan: Plan) -> str:
-        off = [n for n, on in (("optimizer", plan.offload_optimizer), ("params", plan.offload_params)) if on]
-        return f"DeepSpeed ZeRO-{plan.zero_stage}" + (f" (offload {'+'.join(off)} to CPU)" if off else "")
+    def describe(self) -> str:
+        """Read from DeepSpeed's engine: its ZeRO stage and what it offloads."""
+        model = self.model
+        stage = model.zero_optimization_stage()
+        off = [n for n, on in (("optimizer", stage and model.zero_offload_optimizer()),
+                               ("params", stage == 3 and model.zero_offload_param())) if on]
+        return f"DeepSpeed ZeRO-{stage}" + (f" (offload {'+'.join(off)} to CPU)" if off else "")
 
-    @classmethod
-    def describe_precision(cls, plan: Plan) -> str:
-        return {"torch_autocast": f"{plan.precision} autocast, fp32 master weights (DeepSpeed torch_autocast)",
+    def describe_precision(self) -> str:
+        """Read from DeepSpeed's engine: which of its precision modes is on (`run_facts`)."""
+        return {"torch_autocast": f"{self.plan.precision} autocast, fp32 master weights (DeepSpeed torch_autocast)",
                 "bf16": "DeepSpeed full bf16 (BatchNorm kept fp32)", "fp16": "DeepSpeed fp16 + loss scaling",
-                "fp32": "fp32"}.get(plan.ds_precision_mode) or (
-                    "fp32" if plan.precision == "no" else f"{plan.precision} autocast, fp32 master weights")
+                "fp32": "fp32"}[self.run_facts()["ds_precision_mode"]]
 
     @classmethod
     def estimator_fields(cls, plan: Plan) -> dict[str, Any]:
@@ -231,7 +234,7 @@ class DeepSpeedEngine(Shared):
 
     def needs_reshard(self, saved_engine: str, saved_world: int) -> bool:
         """A ZeRO checkpoint of another world size: DeepSpeed's own loader refuses it."""
-        return engine_layout.OF_ENGINE.get(saved_engine) is self.layout and saved_world != self.accelerator.num_processes
+        return self.reads_checkpoint_of(saved_engine) and saved_world != self.accelerator.num_processes
 
     def use_reshard_route(self) -> None:
         """The engine will load a universal checkpoint. Accelerate hands this dict to deepspeed.initialize in
@@ -344,6 +347,17 @@ class DeepSpeedEngine(Shared):
             persistent[0].all_gather(persistent)
 
     # ---- what is really active -----------------------------------------------------------------------------
+    def partitions(self, p: torch.Tensor) -> bool:
+        return hasattr(p, "ds_tensor")  # a ZeRO-3 parameter: its partition is `p.ds_tensor`
+
+    def run_facts(self) -> dict[str, Any]:
+        """Read from DeepSpeed's engine: its ZeRO stage and which of its precision modes is on."""
+        model = self.model
+        mode = ("torch_autocast" if model.torch_autocast_enabled() else "bf16" if model.bfloat16_enabled()
+                else "fp16" if model.fp16_enabled() else "fp32")
+        return {"engine": self.kind, "zero_stage": model.zero_optimization_stage(), "precision": self.plan.precision,
+                "ds_precision_mode": mode}
+
     def _own_facts(self) -> dict[str, Any]:
         import deepspeed
 

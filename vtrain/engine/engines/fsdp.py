@@ -32,6 +32,7 @@ from vtrain.io.safeio import check_dcp, dcp_refusals
 
 
 class FSDP2Engine(TorchEngine):
+    kind, reads = "fsdp", ("fsdp",)
     layout = engine_layout.FSDP2
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -45,9 +46,8 @@ class FSDP2Engine(TorchEngine):
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{free_port()}")
 
-    @classmethod
-    def describe(cls, plan: Plan) -> str:
-        return "FSDP2 (fully_shard per block + root" + (", CPU offload" if plan.fsdp_offload else "") + ")"
+    def describe(self) -> str:
+        return "FSDP2 (fully_shard per block + root" + (", CPU offload" if self.plan.fsdp_offload else "") + ")"
 
     @classmethod
     def estimator_fields(cls, plan: Plan) -> dict[str, Any]:

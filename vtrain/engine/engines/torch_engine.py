@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from vtrain.engine import precision as prec
 from vtrain.engine.checkpoint import format as ckpt
@@ -42,15 +43,13 @@ class TorchEngine(Shared):
         several = cpu_only and plan.world_size > 1
         return {"gloo": several, "cpu": several, "deepspeed_plugin": None}
 
-    @classmethod
-    def describe(cls, plan: Plan) -> str:
+    def describe(self) -> str:
         """The engine in the run's first log line."""
         return "DDP"
 
-    @classmethod
-    def describe_precision(cls, plan: Plan) -> str:
-        """The precision in the run's first log line."""
-        return "fp32" if plan.precision == "no" else f"{plan.precision} autocast, fp32 master weights"
+    def describe_precision(self) -> str:
+        """The precision in the run's first log line: what `forward_context` applies."""
+        return "fp32" if self.plan.precision == "no" else f"{self.plan.precision} autocast, fp32 master weights"
 
     @classmethod
     def estimator_fields(cls, plan: Plan) -> dict[str, Any]:
@@ -198,5 +197,12 @@ class TorchEngine(Shared):
         yield
 
     # ---- what is really active -----------------------------------------------------------------------------
+    def partitions(self, p: torch.Tensor) -> bool:
+        return isinstance(p, DTensor)  # torch's sharding (FSDP2's fully_shard) makes a parameter a DTensor
+
+    def run_facts(self) -> dict[str, Any]:
+        return {"engine": self.kind, "zero_stage": 0, "precision": self.plan.precision,
+                "ds_precision_mode": ""}
+
     def _own_facts(self) -> dict[str, Any]:
         return {"ddp_wrapped": isinstance(self.model, torch.nn.parallel.DistributedDataParallel)}
