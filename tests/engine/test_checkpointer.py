@@ -20,7 +20,6 @@ from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.checkpoint import layout as engine_layout
 from vtrain.engine.checkpoint.checkpointer import Checkpointer
 from vtrain.engine.optim import build_scheduler
-from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
 from vtrain.tasks import build_model
 
@@ -38,7 +37,7 @@ class FakeAccelerator:
 class FakeEngine:
     """The engine interface the checkpointer calls, over a plain module and AdamW: its own copy of the model is
     Accelerate's file of the DDP layout (engine_layout.DDP), which the checkpointer checks before `load`."""
-    layout = engine_layout.DDP
+    kind, layout = "single", engine_layout.DDP
     scaler = None
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -61,6 +60,9 @@ class FakeEngine:
 
     def needs_reshard(self, engine: str, world_size: int) -> bool:
         return False
+
+    def reads_checkpoint_of(self, engine: str) -> bool:
+        return engine in ("single", "ddp")
 
     def parameters_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
@@ -105,8 +107,7 @@ def _run(out: Path, resume: str | None = None, seed: int = 0, keep_last: int = 3
     model = build_model("metric", cfg.model, CLASSES)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-    plan = Plan(kind="single", world_size=1, precision="no")
-    checkpointer = Checkpointer(cfg, plan, FakeAccelerator())
+    checkpointer = Checkpointer(cfg, FakeAccelerator())
     engine = FakeEngine(model, optimizer)
     point, notes = checkpointer.choose(engine)
     loop = Loop()

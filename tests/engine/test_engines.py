@@ -22,15 +22,17 @@ from vtrain.engine.checkpoint import layout as engine_layout
 from vtrain.engine.engines.accelerator import build_accelerator
 from vtrain.engine.engines import deepspeed as ds_engine
 from vtrain.engine.engines import ds_internals
+from vtrain.engine.engines import base
 from vtrain.engine.engines.ddp import DDPEngine, SingleProcessEngine
+from vtrain.engine.engines.torch_engine import TorchEngine
 from vtrain.engine.engines.deepspeed import DeepSpeedEngine
 from vtrain.engine.engines.fsdp import FSDP2Engine
 from vtrain.engine.engines.build import ENGINES, build_engine, engine_class
-from vtrain.engine.engines.plan import resolve_plan
+from vtrain.engine.engines.plan import Plan, resolve_plan
 from vtrain.errors import VtrainError
 
 PACKAGE = ROOT / "vtrain"
-ENGINE_NAMES = set(ckpt.ENGINES)  # single, ddp, fsdp, deepspeed: what a plan's kind can be
+ENGINE_NAMES = set(ENGINES)  # single, ddp, fsdp, deepspeed: what a plan's kind can be
 
 
 @pytest.mark.parametrize("world, parallel, cls, layout", [
@@ -52,7 +54,7 @@ def test_each_configuration_gets_its_engine_class(world, parallel, cls, layout, 
     assert engine_class(plan) is cls
     engine = build_engine(plan, types.SimpleNamespace(device=torch.device("cpu")))
     assert type(engine) is cls and engine.layout is layout
-    assert engine_layout.OF_ENGINE[plan.kind] is layout  # what its checkpoints are read as
+    assert engine.kind == plan.kind and engine.reads_checkpoint_of(plan.kind)  # what its checkpoints are read as
 
 
 def test_a_run_chooses_its_engine_once():
@@ -65,8 +67,50 @@ def test_a_run_chooses_its_engine_once():
 
 
 def test_the_tables_name_the_same_engines():
-    assert set(ENGINES) == set(engine_layout.OF_ENGINE) == ENGINE_NAMES
-    assert all(ENGINES[k].layout is engine_layout.OF_ENGINE[k] for k in ENGINES)
+    """Each class names itself as the table does, and reads the checkpoints of exactly the engines of its layout
+    (one process is DDP of one); the checkpoint format names no engine."""
+    assert ENGINE_NAMES == {"single", "ddp", "fsdp", "deepspeed"}
+    assert all(cls.kind == k for k, cls in ENGINES.items())
+    for cls in ENGINES.values():
+        assert set(cls.reads) == {k for k, other in ENGINES.items() if other.layout is cls.layout}
+    assert not hasattr(ckpt, "ENGINES") and not hasattr(engine_layout, "OF_ENGINE")
+
+
+def test_every_engine_implements_the_interface_and_deepspeed_owns_its_facts():
+    """Every class answers every member of the protocol (engine/engines/base.py); DeepSpeed shares base.Shared
+    with the torch engine, never the torch engine's step, precision or files."""
+    assert not issubclass(DeepSpeedEngine, TorchEngine) and issubclass(DeepSpeedEngine, base.Shared)
+    assert all(issubclass(cls, TorchEngine) for cls in (SingleProcessEngine, DDPEngine, FSDP2Engine))
+    methods = [n for n in vars(base.Engine) if not n.startswith("_")]
+    for kind, cls in ENGINES.items():
+        assert all(hasattr(cls, n) for n in methods), (cls, [n for n in methods if not hasattr(cls, n)])
+        # what Shared leaves to each engine is the engine's own
+        own = ("_update", "zero_grad", "_stepping_optimizer", "local_tensor", "partitions", "run_facts")
+        assert all(getattr(cls, n) is not getattr(base.Shared, n) for n in own), cls
+        engine = cls(Plan(kind, 1, "no"), types.SimpleNamespace(device=torch.device("cpu")))
+        assert all(hasattr(engine, n) for n in ("plan", "accelerator", "model", "scaler", "norm_parts", "kind",
+                                                "layout"))
+
+
+def test_the_engine_steps_the_schedule_and_returns_the_lr_each_step_used():
+    engine = SingleProcessEngine(Plan("single", 1, "no"), types.SimpleNamespace(device=torch.device("cpu")))
+    model = torch.nn.Linear(2, 1)
+    engine.model = model
+    engine.optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1 / (s + 1))
+    engine.follow(schedule)
+    used = []
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().backward()
+        update = engine.step(0.0)
+        assert update.applied and update.grad_norm.ndim == 0
+        used.append(update.lr)
+    assert used == pytest.approx([1.0, 1 / 2, 1 / 3])  # each the LR in force at its step
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1 / 4)  # the next step's
+    model(torch.ones(1, 2)).sum().backward()
+    skipped = engine.skip()  # a non-finite window: gradients dropped, the schedule stays
+    assert (skipped.grad_norm, skipped.applied, skipped.lr) == (None, False, pytest.approx(1 / 4))
+    assert schedule.last_epoch == 3 and all(p.grad is None for p in model.parameters())
 
 
 def _sources() -> dict[Path, str]:
@@ -105,14 +149,14 @@ def test_the_plans_engine_settings_are_read_by_the_engine_classes():
     ds_config.py, which fills the JSON they come from, and the trainer's record of them in run_info.json; the
     estimator reads the same names off its own Setup and the DeepSpeed JSON)."""
     allowed = {PACKAGE / "engine" / "engines" / "plan.py", PACKAGE / "engine" / "engines" / "ds_config.py",
-               PACKAGE / "engine" / "trainer.py",
                PACKAGE / "tools" / "estimate_memory.py"}
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p, src in _sources().items()
              if p.parent.name != "engines" and p not in allowed
              for i, line in enumerate(src.splitlines(), 1) if ENGINE_FIELDS.search(line)]
     assert not found, "\n".join(found)
     trainer = (PACKAGE / "engine" / "trainer.py").read_text()
-    assert [m.group(1) for m in ENGINE_FIELDS.finditer(trainer)] == ["zero_stage", "ds_precision_mode"]  # the record
+    assert "self.plan." not in trainer  # run_info.json's engine facts come from the live engine (run_facts)
+    assert "**self.engine.run_facts()" in trainer
 
 
 # ---- DeepSpeed: the internals vtrain patches, checked at start-up -------------------------------------------------

@@ -171,7 +171,7 @@ def test_the_sharded_heads_update_traced_is_what_it_allocates(sample_rate, updat
 
 
 def test_the_sharded_heads_update_comes_after_the_models_gradients_are_freed():
-    """engines/base.py steps the sharded head after the model's update and its zero_grad: at the head's update only
+    """engines/torch_engine.py steps the sharded head after the model's update and its zero_grad: at the head's update only
     its own gradient is live beside its temporaries (measured: face ViT-B, 100k identities over 2 DDP processes,
     predicted 2390.8 MiB, measured 2390.8 MiB; benchmarks/results/estimate_memory_cpu.md)."""
     from vtrain.engine.step_costs import run_facts

@@ -4,8 +4,8 @@ finiteness check and per-rank checkpoint files.
 The head (models/partial_fc.py) lives OUTSIDE the module handed to Accelerate / DDP / FSDP2 / DeepSpeed: ZeRO and
 FSDP never partition it, DDP never all-reduces it (each rank's rows are its own), and its optimizer state is
 sharded by construction. The trainer calls `loss` per micro-batch; the engine steps the head as one more optimizer
-(engine/engines/base.py): `grad_sq_norm` before the backbone step (one global clip norm), `step` after an applied
-backbone update (or `zero_grad` after a skipped one).
+(engine/engines/torch_engine.py, deepspeed.py): `grad_sq_norm` before the backbone step (one global clip norm),
+`step` after an applied backbone update (or `zero_grad` after a skipped one).
 
 Checkpoints: every rank writes `head/classes_<start>-<end>.safetensors` with its rows of the weight, the AdamW
 moments and the per-row step counts, and the class range in the metadata. Loading reads the rows of the new
@@ -157,16 +157,16 @@ class ShardedHead:
         """Whether the head's weights are finite on every rank. Collective."""
         return all_true(torch.isfinite(self.fc.weight.detach()).all())
 
-    def active(self) -> dict[str, Any]:
-        """What is really active, for run_info.json: the head's rows here and that no engine wraps it."""
+    def active(self, partitioned: bool) -> dict[str, Any]:
+        """What is really active, for run_info.json: the head's rows here and that no engine wraps it
+        (`partitioned`: the engine's answer, whether it holds the head's weight in parts)."""
         w = self.fc.weight
         return {"head_parallel": "sharded", "head_class_start": self.fc.class_start,
                 "head_num_local": self.fc.num_local, "head_num_classes": self.fc.num_classes,
                 "head_sample_rate": self.fc.sample_rate, "head_update": self.update,
                 "head_arcface_grad": self.fc.arcface_grad if self.fc.kind == "arcface" else None,
                 "head_param_class": type(w).__name__,
-                "head_param_dtype": str(w.dtype), "head_partitioned": hasattr(w, "ds_tensor") or
-                type(w).__name__ == "DTensor"}
+                "head_param_dtype": str(w.dtype), "head_partitioned": partitioned}
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def save(self, ckpt_dir: Path) -> None:

@@ -192,12 +192,11 @@ def tracker_name(report_to: str) -> str | None:
 def describe_run(engine: Engine, world: int, device: torch.device, batch_size: int, grad_accum: int,
                  local_param_fraction: float | None) -> str:
     """The run's first log line: engine, world, device, precision, batch arithmetic."""
-    plan = engine.plan
     extra = ""
     if local_param_fraction is not None:
         extra = f" | local params {local_param_fraction:.3f} of model"
-    return (f"engine: {engine.describe(plan)} | world {world} | device {device} | precision "
-            f"{engine.describe_precision(plan)}"
+    return (f"engine: {engine.describe()} | world {world} | device {device} | precision "
+            f"{engine.describe_precision()}"
             f" | micro-batch {batch_size} x accum {grad_accum} x {world} = global batch "
             f"{batch_size * grad_accum * world}{extra}")
 

@@ -70,7 +70,7 @@ class Trainer:
         self.lock = None
         notes = broadcast_from_main(self._claim_output_dir)
         rundir.check_shared(self.out, self.lock)  # collective: every rank sees rank 0's lock
-        self.checkpointer = Checkpointer(cfg, self.plan, self.accelerator)
+        self.checkpointer = Checkpointer(cfg, self.accelerator)
         self.resume, chosen = self.checkpointer.choose(self.engine)  # also the engine's reshard route, before prepare
         self.logger_notes: list[str] = notes + chosen
         self.resumed_from = self.resume.path if self.resume is not None else None
@@ -132,17 +132,15 @@ class Trainer:
                               f"than --grad-accum {t.grad_accum}; lower it or set --max-steps")
         self.total_steps = t.max_steps or (t.epochs or 1) * per_epoch
         # 7. one prepare (DDP wrap / DeepSpeed engine; the sharded head is stepped with the optimizer); the
-        # scheduler computes LRs, engine.set_lrs applies them (the head takes the schedule's multiplier); then the
+        # scheduler, which the engine steps with the update (the head takes the schedule's multiplier); then the
         # check of what is really active, and the EMA
         self.model, self.optimizer = self.engine.prepare(model, optimizer, self.head)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.engine.follow(self.scheduler)
-        self.active = self.engine.active()
+        self.active = self.engine.active()  # the sharded head's facts included
         self.active["grad_ckpt"] = recompute_summary(self.engine.unwrapped)  # read from the live blocks
         if self.memory_plan is not None:
             self.active.update(autoplan.report(self.engine.unwrapped, self.memory_plan))
-        if self.head is not None:
-            self.active.update(self.head.active())
         self.engine.verify(self.active)
         # the EMA starts from the weights as built (pretrained included); a resume below replaces it
         self.ema = WeightEMA(self.engine, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
@@ -239,20 +237,15 @@ class Trainer:
                 if v.ndim == 0 and finite:
                     v = v.detach().float()
                     sums[k] = sums[k] + v if k in sums else v
-        lr = self.engine.current_lr()  # the LR this update uses, read from the optimizer that steps
+        # the engine's step: the sharded head's update and the schedule's included; `lr`: the LR this step used
+        update = self.engine.step(self.cfg.optim.clip_grad) if window_ok else self.engine.skip()
+        if update.applied and self.ema is not None:  # the EMA follows real updates (an fp16 overflow skip is none)
+            self.ema.update()
         if window_ok:
-            grad_norm, applied = self.engine.step(self.cfg.optim.clip_grad)  # the sharded head's update included
-            if applied:  # the schedule and the EMA follow real updates (an fp16 overflow skip is none)
-                self.scheduler.step()
-                self.engine.set_lrs(self.scheduler.get_last_lr())
-                if self.ema is not None:
-                    self.ema.update()
-            else:
+            if not update.applied:
                 self.overflow_skips += 1
             self.consecutive_nonfinite = 0
         else:
-            self.engine.zero_grad()
-            grad_norm = None
             self.skipped_steps += 1
             self.consecutive_nonfinite += 1
         self.step += 1
@@ -262,10 +255,10 @@ class Trainer:
         self.consumed_samples += accum * self.cfg.train.batch_size * self.world
         # loss components and grad_norm are 0-d device tensors (none in a skipped window); lr is a host float
         stats: dict[str, Any] = {k: v / accum for k, v in sums.items()} if window_ok else {}
-        if grad_norm is not None:
-            stats["grad_norm"] = grad_norm
+        if update.grad_norm is not None:
+            stats["grad_norm"] = update.grad_norm
             stats.update(self.engine.norm_parts)  # sharded head: the backbone's and the head's share of it
-        stats["lr"] = lr
+        stats["lr"] = update.lr
         stats["skipped"] = not window_ok
         return stats
 
@@ -441,9 +434,8 @@ class Trainer:
             mine["ema_local_fraction"] = self.ema.local_fraction()
         t = self.cfg.train
         write_run_info(self.out, self.is_main, {
-            "engine": self.plan.kind, "zero_stage": self.plan.zero_stage, "world_size": self.world,
-            "precision": self.plan.precision, "ds_precision_mode": self.plan.ds_precision_mode,
-            "grad_accum": t.grad_accum, "global_batch": t.batch_size * t.grad_accum * self.world,
+            **self.engine.run_facts(), "world_size": self.world, "grad_accum": t.grad_accum,  # the live engine's
+            "global_batch": t.batch_size * t.grad_accum * self.world,
             "total_steps": self.total_steps, "resumed_from": str(self.resumed_from) if self.resumed_from else None},
             mine)
         self._wrote_run_info = True

@@ -71,7 +71,7 @@ class EngineModel:
     gather_spike: tuple[int, int] = (0, 0)  # ZeRO-3: the all-gather buffers in flight as forward / backward begin
     blocks: list[Block] = field(default_factory=list)  # BLOCK: the FSDP2 units, the root first
     notes: list[str] = field(default_factory=list)
-    # a sharded head stepped after the model's update and its zero_grad (engines/base.py): its gradient and its own
+    # a sharded head stepped after the model's update and its zero_grad (engines/torch_engine.py): its gradient and its own
     # temporaries, with the model's gradients already freed
     head_after: tuple[int, int] = (0, 0)
 

@@ -36,12 +36,11 @@ from vtrain.config import RunConfig, load_run_config
 from vtrain.dist import AgreedError, agreed, broadcast_from_main, gather_objects
 from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine import faults
-from vtrain.engine.checkpoint import content, content_state, layout as engine_layout, resume_settings
+from vtrain.engine.checkpoint import content, content_state, resume_settings
 from vtrain.engine.checkpoint.best import BestKeeper
 from vtrain.engine.ema import WeightEMA
 from vtrain.engine.head_shard import ShardedHead
 from vtrain.engine.engines.base import Engine
-from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
 from vtrain.io.files import digest_share
 
@@ -80,8 +79,8 @@ class Checkpointer:
     it returns the run's ResumePoint and configures the reshard route, which must be set before `prepare`),
     `attach` (after `prepare`), then `load(point)` once, `save` at every checkpoint step."""
 
-    def __init__(self, cfg: RunConfig, plan: Plan, accelerator: Accelerator) -> None:
-        self.cfg, self.plan, self.accelerator = cfg, plan, accelerator
+    def __init__(self, cfg: RunConfig, accelerator: Accelerator) -> None:
+        self.cfg, self.accelerator = cfg, accelerator
         self.faults = faults.injected()  # read once, at start-up
         self.out = Path(cfg.train.output_dir)
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
@@ -202,7 +201,7 @@ class Checkpointer:
         problem = content_state.optimizer_problem(self.engine.optimizer_states())
         if problem:
             raise VtrainError(f"--resume: {self.engine.optimizer_file(path)}: {problem} (after loading its "
-                              f"{self.plan.kind} state)")
+                              f"{self.engine.kind} state)")
 
     def _same_model(self, path: Path, classes: int | None) -> None:
         """The model checkpoint `path` records (its config.yaml and class count) against the one this run builds
@@ -221,9 +220,9 @@ class Checkpointer:
         path, state = point.path, point.state
         classes = self.dataset.num_classes
         self._same_model(path, classes)
-        layout = self.engine.layout  # one process is DDP of one: the same layout (layout.py)
-        if engine_layout.OF_ENGINE[state.engine] is not layout:
-            raise VtrainError(f"--resume: {path} was saved with {state.engine}, this run uses {self.plan.kind}")
+        layout = self.engine.layout
+        if not self.engine.reads_checkpoint_of(state.engine):  # one process is DDP of one: it reads DDP's
+            raise VtrainError(f"--resume: {path} was saved with {state.engine}, this run uses {self.engine.kind}")
         # the optimizer state is per parameter group, and --layer-decay changes the groups: say so before the
         # optimizer's own loader fails with a traceback (the scheduler state holds one base LR per group)
         saved_groups, groups = len(state.scheduler["base_lrs"]), len(self.scheduler.base_lrs)
@@ -289,7 +288,7 @@ class Checkpointer:
                 write("write", tmp / ckpt.EMA, save_file, ema_full, str(tmp / ckpt.EMA),
                       metadata={k: str(v) for k, v in self.ema.state().items()})
             state = ckpt.TrainState(
-                **loop, scheduler=self.scheduler.state_dict(), world_size=self.world, engine=self.plan.kind,
+                **loop, scheduler=self.scheduler.state_dict(), world_size=self.world, engine=self.engine.kind,
                 ema=self.ema.state() if self.ema is not None else None,
                 scaler=self.engine.scaler.state_dict() if self.engine.scaler is not None else None)
             write("write", tmp / ckpt.TRAIN_STATE, state.write, tmp)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from vtrain.io import guarded
-from vtrain.errors import VtrainError
+from vtrain.errors import VtrainError, shown
 from vtrain.io.files import digest, fsync_dir, write_json_atomic
 from vtrain.io.records import (MAX_COUNT, Record, RecordError, categories, ema_state, read_json, scaler_state,
                             scheduler_state)
@@ -54,7 +54,7 @@ CATEGORIES = "categories.json"  # detection: class ids and names in label order,
 BEST = "best.json"  # --keep-best, in CHECKPOINTS beside the step dirs (engine/checkpoint/best.py)
 UNIVERSAL = "universal"  # <output>/universal/step_<N>/: a ZeRO checkpoint converted for another world size
 TENSORBOARD = "tensorboard"  # <output>/tensorboard/: event files (--report-to tensorboard)
-ENGINES = ("single", "ddp", "fsdp", "deepspeed")  # TrainState.engine: the parallel engine that wrote it
+_ENGINE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")  # TrainState.engine: a name; which ones exist, the engines say
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -377,7 +377,9 @@ class TrainState:
     consecutive_nonfinite: int = 0
     world_size: int
     engine: str
-    """The parallel engine of the run that wrote it (plan.kind): single, ddp, fsdp or deepspeed."""
+    """The parallel engine of the run that wrote it, as it names itself (its `kind`, engine/engines/). The format
+    checks only that it is a name; whether this run's engine reads what that engine wrote, the engine says
+    (`reads_checkpoint_of`)."""
     ema: dict[str, Any] | None = None
     """WeightEMA.state() when the run kept an EMA (ema.safetensors)."""
     scaler: dict[str, Any] | None = None
@@ -410,9 +412,13 @@ class TrainState:
         step = r.int("step", high=MAX_COUNT)
         counters = {k: r.int(k, high=step, default=0) for k in ("skipped_steps", "overflow_skips",
                                                                    "consecutive_nonfinite")}
+        engine = r.str("engine")
+        if not _ENGINE_NAME.fullmatch(engine):
+            raise RecordError(f"{where}: `engine` must be an engine's name (lowercase letters, digits, _), got "
+                              f"{shown(engine)}")
         return cls(step=step, consumed_samples=r.int("consumed_samples", low=step, high=MAX_COUNT),
                    scheduler=scheduler_state(r.object("scheduler")), **counters,
-                   world_size=r.int("world_size", low=1, high=MAX_COUNT), engine=r.str("engine", ENGINES),
+                   world_size=r.int("world_size", low=1, high=MAX_COUNT), engine=engine,
                    ema=ema_state(r.object("ema", default=None)),
                    scaler=scaler_state(r.object("scaler", default=None)))
 

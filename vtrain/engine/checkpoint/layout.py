@@ -2,9 +2,9 @@
 
 Every engine writes the same shared files (model.safetensors, train_state.json, ...: checkpoint/format.py); beside
 them each keeps its own copy of model and optimizer in its own format. The engine classes (engine/engines/) carry
-their layout, and whoever reads a checkpoint asks the layout of the engine that wrote it (`train_state.json`'s
-`engine`) instead of testing the engine's name: the checkpointer, to refuse a resume across engines and to check
-Accelerate's files before they are loaded; `vtrain consolidate`, for the folder that holds the engine's copy.
+their layout and say which engines' checkpoints they read (`reads_checkpoint_of`, from `train_state.json`'s `engine`):
+the checkpointer asks the run's engine, never tests a name, to refuse a resume across engines and to check
+Accelerate's files before they are loaded; `vtrain consolidate` reads the folders on disk.
 """
 
 from __future__ import annotations
@@ -29,6 +29,3 @@ class EngineLayout:
 DDP = EngineLayout("ddp", ckpt.ACCELERATE, f"{ckpt.ACCELERATE}/model.safetensors", f"{ckpt.ACCELERATE}/optimizer.bin")
 FSDP2 = EngineLayout("fsdp", ckpt.FSDP)
 DEEPSPEED = EngineLayout("deepspeed", f"{ckpt.ACCELERATE}/{ckpt.DS_TAG}")
-
-OF_ENGINE: dict[str, EngineLayout] = {"single": DDP, "ddp": DDP, "fsdp": FSDP2, "deepspeed": DEEPSPEED}
-"""`train_state.json`'s `engine` (checkpoint.ENGINES: the plan that wrote it) -> the layout it wrote."""

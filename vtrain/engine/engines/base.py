@@ -1,14 +1,19 @@
-"""The interface the Trainer, the checkpointer, the EMA and the sharded head use, and what DDP and FSDP2 share.
+"""The engine interface (`Engine`: what the Trainer, the checkpointer, the EMA and the sharded head call) and what
+every engine does alike (`Shared`).
 
 An engine applies parallelism and precision to a built model and runs the step on it: `shard` (before the optimizer
-exists), `prepare`, then per step `sync_context`, `forward_context`, `all_finite`, `backward`, `step`; `save`/`load`
-and `full_state_dict` for checkpoints; `local_tensor`, `whole_tensor`, `local_part` for the EMA, which averages what
-this rank holds. One class per engine (ddp.py, fsdp.py, deepspeed.py), chosen once from the plan
-(engine/engines/build.py): no method here or in the callers tests which engine runs. The class methods are what the
-launch needs before an engine exists (the Accelerator's settings, the optimizer class, the log's first line).
+exists), `prepare`, then per step `sync_context`, `forward_context`, `all_finite`, `backward`, `step` (or `skip`);
+`save`/`load` and `full_state_dict` for checkpoints; `local_tensor`, `whole_tensor`, `local_part` for the EMA, which
+averages what this rank holds. Two implementations: the torch engine (engine/engines/torch_engine.py: one process,
+DDP and FSDP2, whose step is torch's own) and DeepSpeed (deepspeed.py, whose step, precision and files are
+DeepSpeed's). The class is chosen once from the plan (engine/engines/build.py): no method here or in the callers
+tests which engine runs. The class methods are what the launch needs before an engine exists (the Accelerator's
+settings, the optimizer class, the estimator's fields).
 
-The step of DDP and FSDP2 is torch's own: fp16 GradScaler, `clip_grad_norm_`, `optimizer.step()`. The sharded face
-head (engine/head_shard.py) is one more optimizer the engine steps with the rest: its gradient enters the one global
+`Shared` holds only what does not depend on how the step runs: the run's objects, Accelerate's prepare and load,
+the LR written into the optimizer that really steps, the sharded head's update after the model's, the finiteness
+check of the parameters this rank holds, and the check of what is really active. The sharded face head
+(engine/head_shard.py) is one more optimizer the engine steps with the rest: its gradient enters the one global
 norm every engine clips by, and it takes its update with the same norm and the schedule's multiplier, or drops its
 gradients with a skipped update.
 """
@@ -16,10 +21,10 @@ gradients with a skipped update.
 from __future__ import annotations
 
 import contextlib
-import math
 import socket
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -30,7 +35,6 @@ from vtrain.dist import all_mean_, all_true
 from vtrain.engine import active as act
 from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.checkpoint import layout as engine_layout
-from vtrain.engine import precision as prec
 from vtrain.engine.head_shard import ShardedHead, lr_factor
 from vtrain.engine.engines.plan import Plan
 
@@ -57,9 +61,111 @@ def average_buffers(module: nn.Module) -> None:
             all_mean_(b.data)
 
 
-class Engine:
-    layout: engine_layout.EngineLayout = engine_layout.DDP
-    """What this engine keeps of its own in a checkpoint (engine/checkpoint/layout.py)."""
+@dataclass(frozen=True)
+class Update:
+    """What one optimizer step did (`Engine.step`, `Engine.skip`)."""
+
+    grad_norm: torch.Tensor | None
+    """The global gradient norm before clipping, a 0-d tensor left on the device (None: a skipped window)."""
+    applied: bool
+    """Whether the update was applied (False: a skipped window, or fp16 loss scaling found an overflow)."""
+    lr: float
+    """The LR this step used (first group), read from the optimizer that steps before the schedule moved on: the
+    LR in force at this step, the one the log reports."""
+
+
+class Engine(Protocol):
+    """What the rest of a run calls on its engine. The Trainer: the build (`check_sharded_head` through the head's
+    builder, `shard`, `prepare`, `follow`, `active`, `verify`), the step (`input_dtype`, `sync_context`,
+    `forward_context`, `all_finite`, `backward`, `step` or `skip`, `norm_parts`, `loss_scaled`,
+    `parameters_finite`, `sync_buffers`) and what it records of the run, read from the live engine (`run_facts`
+    for run_info.json, `describe` and `describe_precision` for the log's first line). The
+    checkpointer: `layout`, `scaler`, `save`, `load`, the reshard route, `full_state_dict`, the optimizer's groups,
+    states and file, `param_groups`/`set_lrs`. The EMA: `module` and the tensors this rank holds."""
+
+    kind: ClassVar[str]
+    """The engine's name (the plan's kind; train_state.json's `engine`)."""
+    layout: ClassVar[engine_layout.EngineLayout]
+    plan: Plan
+    accelerator: Accelerator
+    model: Any
+    scaler: torch.amp.GradScaler | None
+    norm_parts: dict[str, torch.Tensor]
+
+    @classmethod
+    def check_installed(cls) -> None: ...
+    @classmethod
+    def launch_environment(cls, plan: Plan) -> None: ...
+    @classmethod
+    def accelerator_options(cls, plan: Plan, cpu_only: bool) -> dict[str, Any]: ...
+    @classmethod
+    def after_accelerator(cls, plan: Plan) -> None: ...
+    @classmethod
+    def estimator_fields(cls, plan: Plan) -> dict[str, Any]: ...
+    @classmethod
+    def make_optimizer(cls, plan: Plan, groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer: ...
+
+    # build
+    def check_sharded_head(self) -> None: ...
+    def shard(self, model: nn.Module) -> nn.Module: ...
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                head: ShardedHead | None = None) -> tuple[Any, Any]: ...
+    def follow(self, scheduler: Any) -> None: ...
+    @property
+    def unwrapped(self) -> nn.Module: ...
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def input_dtype(self) -> torch.dtype: ...
+    @property
+    def loss_scaled(self) -> bool: ...
+
+    # one step
+    def forward_context(self) -> contextlib.AbstractContextManager: ...
+    def sync_context(self, sync: bool) -> contextlib.AbstractContextManager: ...
+    def all_finite(self, loss: torch.Tensor) -> bool: ...
+    def backward(self, loss: torch.Tensor, grad_accum: int) -> None: ...
+    def step(self, clip_grad: float) -> Update: ...
+    def skip(self) -> Update: ...
+    def param_groups(self) -> list[dict]: ...
+    def set_lrs(self, lrs: list[float]) -> None: ...
+
+    # state
+    def sync_buffers(self) -> None: ...
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+    def save(self, path: Path) -> None: ...
+    def load(self, path: Path) -> None: ...
+    def reads_checkpoint_of(self, saved_engine: str) -> bool: ...
+    def needs_reshard(self, saved_engine: str, saved_world: int) -> bool: ...
+    def use_reshard_route(self) -> None: ...
+    def load_resharded(self, path: Path, work_dir: Path) -> None: ...
+    def optimizer_groups(self) -> list[list[tuple[str, torch.Tensor]]]: ...
+    def optimizer_states(self) -> list[tuple[str, torch.Tensor, Any]]: ...
+    def optimizer_file(self, path: Path) -> Path: ...
+
+    # the tensors this rank holds
+    def local_tensor(self, p: nn.Parameter) -> torch.Tensor: ...
+    def full_numel(self, p: nn.Parameter) -> int: ...
+    def whole_tensor(self, p: nn.Parameter, local: torch.Tensor) -> torch.Tensor | None: ...
+    def local_part(self, p: nn.Parameter, whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor: ...
+    def writing_local_tensors(self) -> contextlib.AbstractContextManager: ...
+    def parameters_finite(self) -> bool: ...
+
+    # what is really active
+    def active(self) -> dict[str, Any]: ...
+    def verify(self, info: dict[str, Any]) -> None: ...
+    def run_facts(self) -> dict[str, Any]: ...
+    def describe(self) -> str: ...
+    def describe_precision(self) -> str: ...
+
+
+class Shared:
+    """What every engine does alike, whatever runs its step (see the module's docstring). Subclasses say how the
+    step runs, what they save and which tensors a rank holds."""
+
+    kind: ClassVar[str]
+    reads: ClassVar[tuple[str, ...]]
+    """The engines (their `kind`) whose checkpoints this one resumes: those that wrote its layout."""
 
     def __init__(self, plan: Plan, accelerator: Accelerator) -> None:
         self.plan, self.accelerator = plan, accelerator
@@ -69,11 +175,6 @@ class Engine:
         self.head: ShardedHead | None = None
         self.scheduler: Any = None  # the schedule whose multiplier the sharded head's update takes (`follow`)
         self.norm_parts: dict[str, torch.Tensor] = {}  # step(): the backbone's and the sharded head's norms
-        self.scaler = self._grad_scaler()
-
-    def _grad_scaler(self) -> torch.amp.GradScaler | None:
-        """fp16 loss scaling (torch's GradScaler) for the torch step."""
-        return torch.amp.GradScaler(self.device.type) if self.plan.precision == "fp16" else None
 
     # ---- before the engine exists: the launch ---------------------------------------------------------------
     @classmethod
@@ -85,31 +186,8 @@ class Engine:
         """Environment the Accelerator must see when it is built (engine/engines/accelerator.py)."""
 
     @classmethod
-    def accelerator_options(cls, plan: Plan, cpu_only: bool) -> dict[str, Any]:
-        """`gloo`: an explicit gloo process group; `cpu`: Accelerate's cpu flag (on CPU processes DDP needs it: with
-        the gloo kwargs alone Accelerate stays at distributed type NO and `prepare` returns the bare model, measured
-        with accelerate 1.15); `deepspeed_plugin`."""
-        several = cpu_only and plan.world_size > 1
-        return {"gloo": several, "cpu": several, "deepspeed_plugin": None}
-
-    @classmethod
     def after_accelerator(cls, plan: Plan) -> None:
         """What the engine needs once the Accelerator exists (a process group of one for FSDP2)."""
-
-    @classmethod
-    def describe(cls, plan: Plan) -> str:
-        """The engine in the run's first log line."""
-        return "DDP"
-
-    @classmethod
-    def describe_precision(cls, plan: Plan) -> str:
-        """The precision in the run's first log line."""
-        return "fp32" if plan.precision == "no" else f"{plan.precision} autocast, fp32 master weights"
-
-    @classmethod
-    def estimator_fields(cls, plan: Plan) -> dict[str, Any]:
-        """The memory estimator's Setup fields this engine decides (memory/setup.py), for `--grad-ckpt auto`."""
-        return {"fsdp": False}
 
     @classmethod
     def make_optimizer(cls, plan: Plan, groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -132,37 +210,15 @@ class Engine:
         return self.model, self.optimizer
 
     def follow(self, scheduler: Any) -> None:
-        """The LR schedule: the sharded head's update takes its multiplier (the backbone's groups get their LRs
-        through `set_lrs`)."""
+        """The LR schedule, which `step` advances after every applied update; the sharded head's update takes its
+        multiplier, the backbone's groups get its LRs through `set_lrs`."""
         self.scheduler = scheduler
 
     @property
     def unwrapped(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.model)
 
-    @property
-    def module(self) -> nn.Module:
-        """The model's own module, whose parameters and buffers the EMA, `sync_buffers` and the checks read."""
-        return self.unwrapped
-
-    @property
-    def input_dtype(self) -> torch.dtype:
-        """The dtype floating inputs are cast to."""
-        return torch.float32
-
-    @property
-    def loss_scaled(self) -> bool:
-        """Whether fp16 loss scaling may skip an update (the log then counts the overflow skips)."""
-        return self.scaler is not None
-
     # ---- one step -----------------------------------------------------------------------------------------
-    def forward_context(self) -> contextlib.AbstractContextManager:
-        return prec.autocast(self.device.type, self.plan.precision)
-
-    def sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
-        """Gradient synchronisation only on the last micro-batch of an accumulation window."""
-        return contextlib.nullcontext()
-
     def all_finite(self, loss: torch.Tensor) -> bool:
         """Whether the loss is finite on every rank (all ranks must agree to skip, or collectives hang).
 
@@ -171,51 +227,32 @@ class Engine:
         in partition buffers that `zero_grad` leaves alone), so the skip is decided before backward, not after."""
         return all_true(torch.isfinite(loss.detach()))
 
-    def backward(self, loss: torch.Tensor, grad_accum: int) -> None:
-        loss = loss / grad_accum
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward()
+    def step(self, clip_grad: float) -> Update:
+        """Clip, update and zero gradients, the sharded head's included (`_update`: the engine's own step); after an
+        applied update the schedule moves on and its LRs go into the optimizer that steps. Returns the step's norm,
+        whether it was applied and the LR it used (the schedule and the EMA follow real updates only: an fp16
+        overflow skip is none)."""
+        lr = self.current_lr()
+        norm, applied = self._update(clip_grad)
+        if applied:
+            self.scheduler.step()
+            self.set_lrs(self.scheduler.get_last_lr())
+        return Update(norm, applied, lr)
 
-    def step(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
-        """Clip, update and zero gradients, the sharded head's included. Returns the global gradient norm (before
-        clipping) as a 0-d tensor left on the device (reading it would wait for the step: the loop reads it once
-        per log line) and whether the update was applied (False when fp16 loss scaling found an overflow and
-        skipped it). With a sharded head the norm is the one global norm over backbone and head, exactly torch's
-        clip_grad_norm_ over both, and `self.norm_parts` holds the two shares for the log (empty without one)."""
-        self.norm_parts = {}
-        head = self.head
-        opt = self._stepping_optimizer()
-        if self.scaler is not None:
-            self.scaler.unscale_(opt)
-            if head is not None:
-                head.unscale_(self.scaler.get_scale())
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if head is None:
-            norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else math.inf)
-            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-                norm = norm.full_tensor()
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-                norm = norm.full_tensor()
-            head_norm = head.grad_sq_norm().sqrt().to(norm.device)
-            self.norm_parts = {"grad_norm_backbone": norm.float(), "grad_norm_head": head_norm}
-            norm = (norm.float() ** 2 + head_norm ** 2).sqrt()
-            if clip_grad > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, clip_grad, norm)
-        applied = True
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self.scaler.step(opt)
-            self.scaler.update()
-            applied = self.scaler.get_scale() >= scale  # the scale backs off exactly when the step was skipped
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        norm = norm.detach()
-        self._step_head(norm, applied, clip_grad)
-        return norm, applied
+    def skip(self) -> Update:
+        """A window with a non-finite loss on some rank: drop its gradients (the sharded head's included), leave the
+        schedule where it is. Returns the LR in force, which this step did not use."""
+        lr = self.current_lr()
+        self.zero_grad()
+        return Update(None, False, lr)
+
+    def _update(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
+        """The engine's own step: (global gradient norm before clipping, whether the update was applied)."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of a skipped (non-finite) accumulation window, the sharded head's included."""
+        raise NotImplementedError
 
     def _step_head(self, norm: torch.Tensor, applied: bool, clip_grad: float) -> None:
         """The sharded head's update after the backbone's, with the same norm, skip decision and LR multiplier."""
@@ -227,8 +264,8 @@ class Engine:
             self.head.zero_grad()
 
     def _stepping_optimizer(self) -> Any:
-        """The optimizer that really steps (the torch optimizer inside Accelerate's wrapper)."""
-        return self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
+        """The optimizer that really steps (the object whose param_groups the update reads)."""
+        raise NotImplementedError
 
     def param_groups(self) -> list[dict]:
         """The parameter groups of the optimizer that really steps (see `set_lrs`)."""
@@ -243,17 +280,7 @@ class Engine:
         """The LR the optimizer will use next, read from the optimizer that really steps (first group)."""
         return float(self._stepping_optimizer().param_groups[0]["lr"])
 
-    def zero_grad(self) -> None:
-        """Drop the gradients of a skipped (non-finite) accumulation window, the sharded head's included."""
-        self._stepping_optimizer().zero_grad(set_to_none=True)
-        if self.head is not None:
-            self.head.zero_grad()
-
     # ---- state --------------------------------------------------------------------------------------------
-    def sync_buffers(self) -> None:
-        """Make floating-point buffers (BatchNorm running stats) the same on every rank before a save or an
-        evaluation. Collective where they differ. DDP broadcasts rank 0's buffers every forward: nothing to do."""
-
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model in fp32 on CPU, on rank 0 (None elsewhere). Collective: call on every rank."""
         main = self.accelerator.is_main_process
@@ -265,65 +292,19 @@ class Engine:
     def _gathered_state(self, main: bool) -> dict[str, torch.Tensor]:
         return self.unwrapped.state_dict() if main else {}
 
-    def save(self, path: Path) -> None:
-        """Model + optimizer + per-rank RNG (Accelerate's save_state). Collective where the engine's save is."""
-        self.accelerator.save_state(str(path / ckpt.ACCELERATE), safe_serialization=True)
+    def reads_checkpoint_of(self, saved_engine: str) -> bool:
+        """Whether this engine resumes a checkpoint train_state.json says `saved_engine` wrote (its own layout)."""
+        return saved_engine in self.reads
 
     def load(self, path: Path) -> None:
         """Model + optimizer + this rank's RNG. The files vtrain can check before they are read were checked by the
         checkpointer (its RNG state, Accelerate's optimizer file: engine/checkpoint/content_state.py)."""
         self.accelerator.load_state(str(path / ckpt.ACCELERATE))
 
-    def needs_reshard(self, saved_engine: str, saved_world: int) -> bool:
-        """Whether a checkpoint of `saved_engine` (train_state.json) written by `saved_world` processes is loaded
-        through the engine's own reshard route (`load_resharded`) instead of `load`."""
-        return False
-
-    def use_reshard_route(self) -> None:
-        """Before `prepare`: configure the reshard route (`needs_reshard`)."""
-        raise NotImplementedError(f"{type(self).__name__} has no reshard route")
-
-    def load_resharded(self, path: Path, work_dir: Path) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no reshard route")
-
-    def optimizer_groups(self) -> list[list[tuple[str, torch.Tensor]]]:
-        """The optimizer's parameters with their names, per group (DDP and one process: what optimizer.bin holds
-        the state of, content_state.expect_optimizer)."""
-        names = {id(p): n for n, p in self.unwrapped.named_parameters()}
-        return [[(names.get(id(p), "?"), p) for p in g["params"]] for g in self._stepping_optimizer().param_groups]
-
-    def optimizer_states(self) -> list[tuple[str, torch.Tensor, Any]]:
-        """(name, parameter, state) of every parameter the stepping optimizer holds a state for, as loaded."""
-        opt = self._stepping_optimizer()
-        names = {id(p): n for n, p in self.unwrapped.named_parameters()}
-        return [(names.get(id(p), "?"), p, opt.state[p]) for g in opt.param_groups for p in g["params"]
-                if p in opt.state]
-
-    def optimizer_file(self, path: Path) -> Path:
-        """Where this rank's optimizer state lies in checkpoint `path` (for messages)."""
-        return path / ckpt.ACCELERATE / "optimizer.bin"
-
-    # ---- the tensors this rank holds (the EMA averages them, the finiteness check reads them) -------------------
+    # ---- the tensors this rank holds ---------------------------------------------------------------------------
     def local_tensor(self, p: nn.Parameter) -> torch.Tensor:
-        """The part of parameter `p` this rank holds (the whole parameter here)."""
-        return p.data
-
-    def full_numel(self, p: nn.Parameter) -> int:
-        return p.numel()
-
-    def whole_tensor(self, p: nn.Parameter, local: torch.Tensor) -> torch.Tensor | None:
-        """`local` (a tensor shaped like `local_tensor(p)`) made whole, on rank 0 on the CPU (None elsewhere).
-        Collective where parameters are partitioned."""
-        return local.detach().cpu().clone() if self.accelerator.is_main_process else None
-
-    def local_part(self, p: nn.Parameter, whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """This rank's part of `whole` (a tensor of `p`'s full shape), shaped like `like` where the engine pads."""
-        return whole
-
-    @contextlib.contextmanager
-    def writing_local_tensors(self):
-        """Around in-place writes into `local_tensor`s (the EMA's swap): what the engine must refresh."""
-        yield
+        """The part of parameter `p` this rank holds."""
+        raise NotImplementedError
 
     def parameters_finite(self) -> bool:
         """Whether every parameter (this rank's part) is finite, on all ranks. Collective."""
@@ -340,11 +321,25 @@ class Engine:
 
     # ---- what is really active -----------------------------------------------------------------------------
     def active(self) -> dict[str, Any]:
-        """Facts read from the live objects (not from flags), for this rank (engine/active.py)."""
-        return {**act.common_facts(self.plan, self.accelerator, self.model, self.module), **self._own_facts()}
+        """Facts read from the live objects (not from flags), for this rank (engine/active.py); with a sharded head,
+        its own facts and whether this engine holds its weight in parts (it must not: the head is beside the model
+        the engine wraps)."""
+        info = {**act.common_facts(self.plan, self.accelerator, self.model, self.module), **self._own_facts()}
+        if self.head is not None:
+            info.update(self.head.active(partitioned=self.partitions(self.head.fc.weight)))
+        return info
+
+    def partitions(self, p: torch.Tensor) -> bool:
+        """Whether `p` is held in parts by this engine (a rank holds a shard of it)."""
+        raise NotImplementedError
+
+    def run_facts(self) -> dict[str, Any]:
+        """The run's engine for run_info.json, read from the live engine: its name, ZeRO stage, precision and
+        DeepSpeed's precision mode."""
+        raise NotImplementedError
 
     def _own_facts(self) -> dict[str, Any]:
-        return {"ddp_wrapped": isinstance(self.model, torch.nn.parallel.DistributedDataParallel)}
+        return {}
 
     def verify(self, info: dict[str, Any]) -> None:
         """Stop with a clear error if what runs is not what was asked for."""

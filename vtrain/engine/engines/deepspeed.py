@@ -35,22 +35,24 @@ from vtrain.engine import precision as prec
 from vtrain.engine.compile import compiled_blocks
 from vtrain.engine.ds_ops import announce_builds, quiet_other_ranks
 from vtrain.engine.engines.ds_writes import guarded_save
-from vtrain.engine.engines.base import Engine, average_buffers, free_port, persistent_buffers
+from vtrain.engine.engines.base import Shared, average_buffers, free_port, persistent_buffers
 from vtrain.engine.engines.ds_internals import TESTED, check_version, zero_norm_with_head
 from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
 from vtrain.io.safeio import enforce_weights_only
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(Shared):
+    """The engine interface (base.Engine) over DeepSpeed's engine; nothing of the torch engine's step, precision or
+    files is inherited."""
+
+    kind, reads = "deepspeed", ("deepspeed",)
     layout = engine_layout.DEEPSPEED
 
     def __init__(self, plan: Plan, accelerator: Any) -> None:
         super().__init__(plan, accelerator)
+        self.scaler = None  # DeepSpeed scales fp16 losses itself (its loss scale is in its own checkpoint)
         self.zero3 = plan.zero_stage == 3
         self.bn_fp32_layers = 0
-
-    def _grad_scaler(self) -> None:
-        return None  # DeepSpeed scales fp16 losses itself
 
     # ---- before the engine exists: the launch ---------------------------------------------------------------
     @classmethod
@@ -85,16 +87,19 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed creates a process group even for one process: gloo on CPU. cpu=True would drop DeepSpeed.
         return {"gloo": cpu_only, "cpu": False, "deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=plan.ds_config)}
 
-    @classmethod
-    def describe(cls, plan: Plan) -> str:
-        off = [n for n, on in (("optimizer", plan.offload_optimizer), ("params", plan.offload_params)) if on]
-        return f"DeepSpeed ZeRO-{plan.zero_stage}" + (f" (offload {'+'.join(off)} to CPU)" if off else "")
+    def describe(self) -> str:
+        """Read from DeepSpeed's engine: its ZeRO stage and what it offloads."""
+        model = self.model
+        stage = model.zero_optimization_stage()
+        off = [n for n, on in (("optimizer", stage and model.zero_offload_optimizer()),
+                               ("params", stage == 3 and model.zero_offload_param())) if on]
+        return f"DeepSpeed ZeRO-{stage}" + (f" (offload {'+'.join(off)} to CPU)" if off else "")
 
-    @classmethod
-    def describe_precision(cls, plan: Plan) -> str:
-        return {"torch_autocast": f"{plan.precision} autocast, fp32 master weights (DeepSpeed torch_autocast)",
+    def describe_precision(self) -> str:
+        """Read from DeepSpeed's engine: which of its precision modes is on (`run_facts`)."""
+        return {"torch_autocast": f"{self.plan.precision} autocast, fp32 master weights (DeepSpeed torch_autocast)",
                 "bf16": "DeepSpeed full bf16 (BatchNorm kept fp32)", "fp16": "DeepSpeed fp16 + loss scaling",
-                "fp32": "fp32"}.get(plan.ds_precision_mode) or super().describe_precision(plan)
+                "fp32": "fp32"}[self.run_facts()["ds_precision_mode"]]
 
     @classmethod
     def estimator_fields(cls, plan: Plan) -> dict[str, Any]:
@@ -168,7 +173,7 @@ class DeepSpeedEngine(Engine):
     def backward(self, loss: torch.Tensor, grad_accum: int) -> None:
         self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
 
-    def step(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
+    def _update(self, clip_grad: float) -> tuple[torch.Tensor, bool]:
         """DeepSpeed's own step, clipping from the filled gradient_clipping value. With the sharded head, the head's
         norm is handed to the ZeRO optimizer's own norm for that step (`zero_norm_with_head`), so the norm returned
         (DeepSpeed's: the one it clipped with) is the global one over both."""
@@ -229,7 +234,7 @@ class DeepSpeedEngine(Engine):
 
     def needs_reshard(self, saved_engine: str, saved_world: int) -> bool:
         """A ZeRO checkpoint of another world size: DeepSpeed's own loader refuses it."""
-        return engine_layout.OF_ENGINE.get(saved_engine) is self.layout and saved_world != self.accelerator.num_processes
+        return self.reads_checkpoint_of(saved_engine) and saved_world != self.accelerator.num_processes
 
     def use_reshard_route(self) -> None:
         """The engine will load a universal checkpoint. Accelerate hands this dict to deepspeed.initialize in
@@ -278,6 +283,11 @@ class DeepSpeedEngine(Engine):
                 else:
                     p.copy_(full[name].to(p.dtype))
 
+    def optimizer_groups(self) -> list[list[tuple[str, torch.Tensor]]]:
+        """No Accelerate optimizer file to check before loading (the layout names none): DeepSpeed's partitions
+        are checked once loaded (`optimizer_states`)."""
+        return []
+
     def optimizer_states(self) -> list[tuple[str, torch.Tensor, Any]]:
         """DeepSpeed's flat fp32 partitions ("group G" of its base optimizer), as loaded. Empty where DeepSpeed swaps
         the state out to NVMe (not in memory to check)."""
@@ -304,7 +314,7 @@ class DeepSpeedEngine(Engine):
 
     def whole_tensor(self, p: nn.Parameter, local: torch.Tensor) -> torch.Tensor | None:
         if not self.zero3:
-            return super().whole_tensor(p, local)
+            return local.detach().cpu().clone() if self.accelerator.is_main_process else None
         group = getattr(p, "ds_process_group", None)
         part = local.to(self.device)
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
@@ -337,6 +347,17 @@ class DeepSpeedEngine(Engine):
             persistent[0].all_gather(persistent)
 
     # ---- what is really active -----------------------------------------------------------------------------
+    def partitions(self, p: torch.Tensor) -> bool:
+        return hasattr(p, "ds_tensor")  # a ZeRO-3 parameter: its partition is `p.ds_tensor`
+
+    def run_facts(self) -> dict[str, Any]:
+        """Read from DeepSpeed's engine: its ZeRO stage and which of its precision modes is on."""
+        model = self.model
+        mode = ("torch_autocast" if model.torch_autocast_enabled() else "bf16" if model.bfloat16_enabled()
+                else "fp16" if model.fp16_enabled() else "fp32")
+        return {"engine": self.kind, "zero_stage": model.zero_optimization_stage(), "precision": self.plan.precision,
+                "ds_precision_mode": mode}
+
     def _own_facts(self) -> dict[str, Any]:
         import deepspeed
 

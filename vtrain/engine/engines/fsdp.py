@@ -1,8 +1,8 @@
 """FSDP2, applied by vtrain itself (`fully_shard` per block and root: engine/engines/fsdp_units.py), on CPU and GPU alike.
 
 Accelerate skips FSDP on CPU processes, so this engine never goes through `accelerator.prepare`: the model is
-sharded in `shard` (before the optimizer exists, which must see the DTensor parameters), the step is the base
-class's torch step over DTensors, and checkpoints hold model and optimizer as a torch distributed checkpoint (DCP)
+sharded in `shard` (before the optimizer exists, which must see the DTensor parameters), the step is the torch
+engine's (torch_engine.py) over DTensors, and checkpoints hold model and optimizer as a torch distributed checkpoint (DCP)
 in `fsdp/` beside Accelerate's RNG states. Each rank holds a shard of every parameter (`to_local()`).
 """
 
@@ -22,15 +22,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from vtrain.engine.checkpoint import format as ckpt
 from vtrain.engine.checkpoint import content_state, layout as engine_layout
-from vtrain.engine.engines.base import Engine, average_buffers, free_port
+from vtrain.engine.engines.base import average_buffers, free_port
 from vtrain.engine.engines.fsdp_units import apply_fsdp2
+from vtrain.engine.engines.torch_engine import TorchEngine
 from vtrain.engine.head_shard import ShardedHead
 from vtrain.engine.engines.plan import Plan
 from vtrain.errors import VtrainError
 from vtrain.io.safeio import check_dcp, dcp_refusals
 
 
-class FSDP2Engine(Engine):
+class FSDP2Engine(TorchEngine):
+    kind, reads = "fsdp", ("fsdp",)
     layout = engine_layout.FSDP2
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -44,9 +46,8 @@ class FSDP2Engine(Engine):
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{free_port()}")
 
-    @classmethod
-    def describe(cls, plan: Plan) -> str:
-        return "FSDP2 (fully_shard per block + root" + (", CPU offload" if plan.fsdp_offload else "") + ")"
+    def describe(self) -> str:
+        return "FSDP2 (fully_shard per block + root" + (", CPU offload" if self.plan.fsdp_offload else "") + ")"
 
     @classmethod
     def estimator_fields(cls, plan: Plan) -> dict[str, Any]:
