@@ -6,7 +6,7 @@ run in a fresh output folder with the given intra-op thread count (a run's numbe
 §2), whose final evaluation (COCO AP on the 40 held-out demo images, from the run's eval.jsonl) is reported with the
 mean, the spread (max - min) and the largest distance from the mean.
 
-    PYTHONPATH=$PWD python benchmarks/demo_seeds.py --seeds 1 2 3 --threads 1
+    PYTHONPATH=$PWD python benchmarks/demo_seeds.py --seeds 1 2 3 --threads 2
 
 Writes benchmarks/results/demo_seeds.md and .json (`--out` names another stem). Seeds run one after the other; to
 run them side by side, give each its own `--out` and join their .json files with `--collect A.json B.json ...`
@@ -107,7 +107,7 @@ def collect(files: list[Path], out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (make demo runs --threads 1)")
+    ap.add_argument("--threads", type=int, default=2, help="intra-op threads (make demo runs --threads 2)")
     ap.add_argument("--flags", help="the recipe's flags as one string (default: the Makefile's DEMO_DINO_FLAGS)")
     ap.add_argument("--extra", default="", help="flags added to the recipe, as one string")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/demo_seeds"), help="output path without suffix")

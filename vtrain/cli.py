@@ -159,6 +159,9 @@ def predict(
     task: Annotated[Optional[Task], typer.Option(help="Expected task (default: the checkpoint's)")] = None,
     score_threshold: Annotated[Optional[float], typer.Option(
         help="Detection: draw and keep boxes scoring at least this (default 0.3)")] = None,
+    nms_iou: Annotated[Optional[float], typer.Option(
+        help="Detection: drop a box whose IoU with a higher-scoring box of any class exceeds this (default: no NMS, "
+             "as DINO is trained and evaluated)")] = None,
     batch_size: RunBatch = None,
     ann: Annotated[Optional[str], typer.Option(parser=text,
         help="Detection: COCO annotation JSON whose file_names give the image ids (default: 1..N)")] = None,
@@ -176,11 +179,12 @@ def predict(
 
     check_value(DataConfig, "num_workers", num_workers)  # train's rule (--batch-size: tools/predict.py, the same)
     report = run_predict(checkpoint, images, out, task.value if task else None, score_threshold=score_threshold,
-                         batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels,
+                         nms_iou=nms_iou, batch_size=batch_size, ann=ann, num_workers=num_workers, max_pixels=max_image_pixels,
                          overwrite=overwrite, image_size=image_size, max_size=max_size, onnx=onnx)
     if report.task == "dino":
         console.print(f"{report.images} images on {report.device} at test size {report.test_size[0]}/"
-                      f"{report.test_size[1]}: {report.detections} boxes with score >= {report.score_threshold}; "
+                      f"{report.test_size[1]}: {report.detections} boxes with score >= {report.score_threshold}"
+                      f"{'' if report.nms_iou is None else f' after NMS at IoU {report.nms_iou}'}; "
                       f"wrote the drawn images and predictions.json to {out}", soft_wrap=True)
     else:
         console.print(f"{report.images} images on {report.device}: wrote {out} (embeddings; file names in its "

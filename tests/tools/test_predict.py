@@ -248,6 +248,40 @@ def test_bad_test_sizes_are_one_error_line(dino_run, metric_run, tmp_path, monke
                 (command[0], flags, err)
 
 
+@pytest.mark.integration
+def test_nms_leaves_no_two_boxes_above_its_iou(dino_run, metric_run, tmp_path, monkeypatch, capsys):
+    """`--nms-iou` (class-agnostic, after the score threshold): of DINO's top-k, where one query gives a box for
+    several classes, the kept boxes are a subset of those without NMS, none of them overlaps another above the IoU,
+    and each image keeps its best box; a value outside (0, 1], or a face model, is one error line."""
+    from torchvision.ops import box_iou
+
+    from vtrain.tools.predict import predict_detection
+
+    files = [str(f) for f in dino_run["files"]]
+    plain = predict_detection(dino_run["run"], files, tmp_path / "plain", score_threshold=0.05, num_workers=0)
+    cut = predict_detection(dino_run["run"], files, tmp_path / "nms", score_threshold=0.05, nms_iou=0.5,
+                            num_workers=0)
+    before, after = (json.loads((tmp_path / d / "predictions.json").read_text()) for d in ("plain", "nms"))
+    assert 0 < cut.detections == len(after) < plain.detections == len(before) and cut.nms_iou == 0.5
+
+    def key(d: dict) -> tuple:
+        return d["image_id"], d["category_id"], tuple(d["bbox"]), d["score"]
+
+    assert {key(d) for d in after} <= {key(d) for d in before}
+    for image in {d["image_id"] for d in before}:
+        kept = [d for d in after if d["image_id"] == image]
+        assert max(d["score"] for d in kept) == max(d["score"] for d in before if d["image_id"] == image)
+        xywh = torch.tensor([d["bbox"] for d in kept])
+        xyxy = torch.cat([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], 1)
+        assert box_iou(xyxy, xyxy).fill_diagonal_(0).max() <= 0.5 + 1e-3  # the JSON's boxes are rounded
+    for checkpoint, value, message in ((dino_run["run"], "0", "--nms-iou: must be in (0, 1], got 0.0"),
+                                       (dino_run["run"], "nan", "--nms-iou: must be in (0, 1], got nan"),
+                                       (metric_run, "0.5", "--nms-iou: only for detection checkpoints")):
+        code, _, err = cli(monkeypatch, capsys, "predict", "--checkpoint", str(checkpoint), "--images", files[0],
+                           "--out", str(tmp_path / "o.safetensors"), "--num-workers", "0", "--nms-iou", value)
+        assert code == 2 and err.strip() == f"error: {message}", err
+
+
 @pytest.fixture(scope="module")
 def metric_run(faces, tmp_path_factory) -> Path:
     """2 steps of the metric task on `--data hf:` (train + validation splits saved with save_to_disk, the same JPEG

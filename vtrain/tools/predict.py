@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from torchcodec.encoders import JpegEncoder
 from torchvision import tv_tensors
 from torchvision.datasets.folder import IMG_EXTENSIONS
+from torchvision.ops import nms
 from torchvision.utils import draw_bounding_boxes
 
 from vtrain.io import guarded
@@ -71,6 +72,8 @@ class PredictReport:
     device: str = "cpu"
     score_threshold: float | None = None
     """Detection: the threshold the boxes were kept at."""
+    nms_iou: float | None = None
+    """Detection: the IoU above which a box overlapping a higher-scoring one was dropped (None: no NMS)."""
     test_size: tuple[int, int] | None = None
     """Detection: the test resize used, (short side, longest side cap)."""
 
@@ -195,8 +198,8 @@ def predict(checkpoint: str | Path | None, inputs: list[str], out: str | Path, t
         raise VtrainError("--checkpoint: give the checkpoint to run (or --onnx FILE, a detector `vtrain export` wrote)")
     task = task or checkpoint_task(checkpoint)
     if task == "metric":
-        for key, flag in (("ann", "--ann"), ("score_threshold", "--score-threshold"), ("image_size", "--image-size"),
-                          ("max_size", "--max-size")):  # else silently unused (a face model's input size is its own)
+        for key, flag in (("ann", "--ann"), ("score_threshold", "--score-threshold"), ("nms_iou", "--nms-iou"),
+                          ("image_size", "--image-size"), ("max_size", "--max-size")):  # else silently unused (a face model's input size is its own)
             if options.pop(key, None) is not None:
                 raise VtrainError(f"{flag}: only for detection checkpoints")
         return predict_embeddings(checkpoint, inputs, out, **options)
@@ -205,7 +208,7 @@ def predict(checkpoint: str | Path | None, inputs: list[str], out: str | Path, t
 
 # ---- detection ------------------------------------------------------------------------------------------------
 def predict_detection(checkpoint: str | Path | None, inputs: list[str], out: str | Path,
-                      score_threshold: float | None = None,
+                      score_threshold: float | None = None, nms_iou: float | None = None,
                       batch_size: int | None = None, ann: str | None = None, num_workers: int = 2,
                       max_pixels: int | None = None, overwrite: bool = False, image_size: int | None = None,
                       max_size: int | None = None, onnx: str | Path | None = None) -> PredictReport:
@@ -214,10 +217,14 @@ def predict_detection(checkpoint: str | Path | None, inputs: list[str], out: str
     ids are 1..N in input order. `image_size` / `max_size`: the test resize instead of the run's
     (tasks/dino.py: chosen_test_sizes). `onnx`: a detector file of `vtrain export` instead of the checkpoint, run
     with onnxruntime on the same batches (its metadata gives the categories and the test resize; the default
-    batch size is 1)."""
+    batch size is 1). `nms_iou`: after the score threshold, drop every box whose IoU with a higher-scoring kept box
+    of any class exceeds it (class-agnostic NMS, as IDEA DINO's `PostProcess(nms_iou_threshold=...)`,
+    docs/detection.md "Drawing detections"); None: no NMS, as DINO is trained and evaluated."""
     score_threshold = SCORE_THRESHOLD if score_threshold is None else score_threshold
     if not 0.0 <= score_threshold <= 1.0:
         raise VtrainError(f"--score-threshold: must be in [0, 1], got {score_threshold}")
+    if nms_iou is not None and not 0.0 < nms_iou <= 1.0:
+        raise VtrainError(f"--nms-iou: must be in (0, 1], got {nms_iou}")
     out = Path(out)
     _output(out, is_dir=True)
     found = find_images(inputs)
@@ -262,6 +269,9 @@ def predict_detection(checkpoint: str | Path | None, inputs: list[str], out: str
             for i, original, r in zip(batch["index"].tolist(), batch["original"], results):
                 keep = r["scores"] >= score_threshold
                 boxes, scores, labels = (r[k][keep].cpu() for k in ("boxes", "scores", "labels"))
+                if nms_iou is not None:  # torchvision's nms keeps the survivors in decreasing score order
+                    keep = nms(boxes.float(), scores.float(), nms_iou)
+                    boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
                 kept += len(scores)
                 for d in coco_detections(image_ids[i], boxes.numpy(), scores.numpy(), labels.numpy(), cat_ids):
                     dets.append({**d, "file_name": names[i]})
@@ -271,7 +281,7 @@ def predict_detection(checkpoint: str | Path | None, inputs: list[str], out: str
                 guarded.write_bytes(outputs[i], memoryview(JpegEncoder(drawn).to_tensor(quality=95).numpy()))
     write_json_atomic(out / "predictions.json", dets)
     return PredictReport("dino", len(found), [*outputs, out / "predictions.json"], kept, str(device), score_threshold,
-                         (size, max_size))
+                         nms_iou, (size, max_size))
 
 
 class _TorchDetector:

@@ -231,10 +231,10 @@ class Shared:
         """Clip, update and zero gradients, the sharded head's included (`_update`: the engine's own step); after an
         applied update the schedule moves on and its LRs go into the optimizer that steps. Returns the step's norm,
         whether it was applied and the LR it used (the schedule and the EMA follow real updates only: an fp16
-        overflow skip is none)."""
+        overflow skip is none). Without a schedule (`follow` not called: the benchmarks' bare steps) the LRs stay."""
         lr = self.current_lr()
         norm, applied = self._update(clip_grad)
-        if applied:
+        if applied and self.scheduler is not None:
             self.scheduler.step()
             self.set_lrs(self.scheduler.get_last_lr())
         return Update(norm, applied, lr)
