@@ -184,8 +184,10 @@ def child(row: dict) -> dict:
         marks = Marks([p for p in model.parameters() if p.requires_grad] +
                       ([head.fc.weight] if head is not None else []))
         model, _ = engine.prepare(model, build_optimizer(model, cfg.optim, plan), head)
-        # a constant schedule: the sharded head's update takes the schedule's multiplier (engine/head_shard.py)
-        engine.follow(types.SimpleNamespace(lr_lambdas=[lambda step: 1.0], last_epoch=0))
+        # a constant schedule: the sharded head's update takes the schedule's multiplier (engine/head_shard.py), and
+        # the engine steps it after each update and writes its LRs back (engines/base.py): the groups' own LRs
+        engine.follow(types.SimpleNamespace(lr_lambdas=[lambda step: 1.0], last_epoch=0, step=lambda: None,
+                                            get_last_lr=lambda: [g["lr"] for g in engine.param_groups()]))
         model.train()
     torch.manual_seed(1 + rank)
     inputs = {k: v.to(accelerator.device) for k, v in step_inputs(setup, torch.device("cpu")).items()}

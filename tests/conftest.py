@@ -45,6 +45,23 @@ def _cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _process_settings():
+    """A run started in the test's own process (`cli_in_process`, a Trainer) sets process-wide torch settings
+    (`--threads`: torch.set_num_threads; `--deterministic`: use_deterministic_algorithms): restored after each test,
+    so that what a later test measures in the same process (an allocator peak depends on the thread count) does not
+    depend on which tests ran before it in that process (two xdist workers run them in other orders)."""
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
+            deterministic, warn_only):
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
 @pytest.fixture(scope="session")
 def faces(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """train/: 16 identities x 6 images, val/: 6 held-out identities x 4 images (real JPEG files)."""

@@ -33,6 +33,7 @@ from rich.control import Control
 from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 PIPED_WIDTH = 160
 """Columns of everything vtrain prints when stdout is not a terminal (wider with $COLUMNS, or where a table needs
@@ -52,9 +53,17 @@ def hms(seconds: float | None) -> str:
 
 
 def _natural_width(console: Console, objects: tuple[Any, ...]) -> int:
-    """The widest natural width of the tables among `objects` (0 without one)."""
+    """The widest natural width of the tables among `objects`, their titles included (0 without one). A title is
+    made one unwrapped line (rich wraps it at the table's width: a long checkpoint path would break it)."""
     options = console.options.update_width(100_000)
-    return max((Measurement.get(console, options, o).maximum for o in objects if isinstance(o, Table)), default=0)
+    widths = [0]
+    for o in objects:
+        if isinstance(o, Table):
+            if isinstance(o.title, str):
+                o.title = Text(o.title, no_wrap=True, overflow="ignore")
+            title = o.title.cell_len if isinstance(o.title, Text) else 0
+            widths.append(max(Measurement.get(console, options, o).maximum, title))
+    return max(widths)
 
 
 class VConsole(Console):
