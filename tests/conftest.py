@@ -45,16 +45,20 @@ def _cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+_SETTINGS = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+"""torch's process-wide settings as the test process starts (OMP_NUM_THREADS=1: one thread; nothing deterministic)."""
+
+
 @pytest.fixture(autouse=True)
 def _process_settings():
-    """A run started in the test's own process (`cli_in_process`, a Trainer) sets process-wide torch settings
-    (`--threads`: torch.set_num_threads; `--deterministic`: use_deterministic_algorithms): restored after each test,
-    so that what a later test measures in the same process (an allocator peak depends on the thread count) does not
-    depend on which tests ran before it in that process (two xdist workers run them in other orders)."""
-    threads = torch.get_num_threads()
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    """A run started in the test's own process (`cli_in_process`, a Trainer, also inside a module fixture) sets
+    process-wide torch settings (`--threads`: torch.set_num_threads; `--deterministic`:
+    use_deterministic_algorithms): put back to the process's starting values after each test, so that what a later
+    test measures in the same process (an allocator peak depends on the thread count) does not depend on which tests
+    ran before it there (two xdist workers run them in other orders)."""
     yield
+    threads, deterministic, warn_only = _SETTINGS
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (

@@ -52,18 +52,20 @@ def hms(seconds: float | None) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def _natural_width(console: Console, objects: tuple[Any, ...]) -> int:
-    """The widest natural width of the tables among `objects`, their titles included (0 without one). A title is
-    made one unwrapped line (rich wraps it at the table's width: a long checkpoint path would break it)."""
-    options = console.options.update_width(100_000)
-    widths = [0]
+def _unwrap_titles(objects: tuple[Any, ...]) -> None:
+    """Each table's title as one unwrapped line: rich wraps a title at its table's width, and a long checkpoint path
+    in it would break (off a terminal; `_natural_width` then widens the console to the title)."""
     for o in objects:
-        if isinstance(o, Table):
-            if isinstance(o.title, str):
-                o.title = Text(o.title, no_wrap=True, overflow="ignore")
-            title = o.title.cell_len if isinstance(o.title, Text) else 0
-            widths.append(max(Measurement.get(console, options, o).maximum, title))
-    return max(widths)
+        if isinstance(o, Table) and isinstance(o.title, str):
+            o.title = Text(o.title, no_wrap=True, overflow="ignore")
+
+
+def _natural_width(console: Console, objects: tuple[Any, ...]) -> int:
+    """The widest natural width of the tables among `objects`, their titles included (0 without one)."""
+    options = console.options.update_width(100_000)
+    return max((max(Measurement.get(console, options, o).maximum,
+                    o.title.cell_len if isinstance(o.title, Text) else 0)
+                for o in objects if isinstance(o, Table)), default=0)
 
 
 class VConsole(Console):
@@ -86,6 +88,8 @@ class VConsole(Console):
 
     def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
         # Console.print never renders wider than the console (`width=` is capped by it): widen the console itself
+        if not self.is_terminal:
+            _unwrap_titles(objects)
         self._table_width = _natural_width(self, objects) if not self.is_terminal else 0
         try:
             super().print(*objects, **kwargs)

@@ -198,8 +198,9 @@ def predict(checkpoint: str | Path | None, inputs: list[str], out: str | Path, t
         raise VtrainError("--checkpoint: give the checkpoint to run (or --onnx FILE, a detector `vtrain export` wrote)")
     task = task or checkpoint_task(checkpoint)
     if task == "metric":
+        # else silently unused (a face model's input size is its own)
         for key, flag in (("ann", "--ann"), ("score_threshold", "--score-threshold"), ("nms_iou", "--nms-iou"),
-                          ("image_size", "--image-size"), ("max_size", "--max-size")):  # else silently unused (a face model's input size is its own)
+                          ("image_size", "--image-size"), ("max_size", "--max-size")):
             if options.pop(key, None) is not None:
                 raise VtrainError(f"{flag}: only for detection checkpoints")
         return predict_embeddings(checkpoint, inputs, out, **options)
