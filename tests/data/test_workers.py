@@ -134,6 +134,47 @@ def test_a_stop_signal_to_the_group_leaves_the_decision_to_the_loaders_process(o
         assert proc.stdout.startswith("failed after"), proc.stdout + proc.stderr[-3000:]  # at 5, or a prefetched 6
 
 
+# A stop signal that lands while a worker starts: torch's worker loop has installed its own SIGTERM handler (which
+# ends the worker) and vtrain's WorkerInit has not run yet. Each worker sends it to itself there (SignalledInit).
+SIGNAL_WHILE_STARTING = """
+    import multiprocessing, sys
+    import torch
+    import locked_dataset
+    from vtrain.data.workers import WorkerInit, worker_options
+
+    if sys.argv[1] == "vtrain":
+        options = worker_options(2)
+        options["worker_init_fn"] = locked_dataset.SignalledInit(options["worker_init_fn"])
+    else:  # a fork server without vtrain's preload: the stop signals are not blocked while a worker starts
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([])
+        options = {"multiprocessing_context": context, "worker_init_fn": locked_dataset.SignalledInit(WorkerInit())}
+    loader = torch.utils.data.DataLoader(locked_dataset.Squares(40), batch_size=2, num_workers=2, **options)
+    n = 0
+    try:
+        for epoch in range(2):  # the second epoch starts new workers from the same server
+            n += sum(1 for _ in loader)
+        print("read", n, "batches")
+    except Exception as e:
+        print("failed after", n, "batches:", type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("server", ["vtrain", "plain"])
+def test_a_stop_signal_while_a_worker_starts_is_discarded(server):
+    """With vtrain's fork server the stop signals stay blocked from the fork until WorkerInit ignores them, so the
+    signal is discarded and every batch of both epochs is read (and WorkerInit leaves them unblocked); with a plain
+    fork server (the negative control) torch's handler ends the worker and the read fails. This window made
+    tests/integration/test_safety.py's SIGTERM-with-workers test fail at random."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SIGNAL_WHILE_STARTING), server], cwd=ROOT,
+                          env=script_env(), capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if server == "vtrain":
+        assert "read 40 batches" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    else:
+        assert proc.stdout.startswith("failed after 0 batches"), proc.stdout + proc.stderr[-3000:]
+
+
 # The process ends (normally: atexit runs) while a loader's workers are still running, its iterator never shut down,
 # as when an error leaves it alive in a traceback.
 EXIT_WITH_LIVE_WORKERS = """

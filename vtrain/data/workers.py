@@ -23,7 +23,9 @@ And a worker ignores the stop signals (`STOP_SIGNALS`): a Ctrl-C in a terminal s
 scheduler that preempts a job signals every process of it, workers included. What a stop means is for the process
 that made the loader to decide (`vtrain train` finishes the step and writes a checkpoint, engine/interrupt.py); a
 worker that died of the signal instead would make that process's next read from the loader fail (an evaluation
-inside training ended the run that way). A worker ends when its loader tells it to, or when that process is gone.
+inside training ended the run that way; so did a signal that arrived while a worker started, before its
+worker_init_fn ran, until the fork server blocked them: data/worker_server.py). A worker ends when its loader tells
+it to, or when that process is gone.
 Since multiprocessing ends the daemonic children still running at exit with SIGTERM and then waits for them
 (Lib/multiprocessing/util.py `_exit_function`), a worker of a loader that was never shut down (an error left its
 iterator alive) would make that wait endless: vtrain ends those first, with SIGKILL (`end_workers`, at exit).
@@ -92,7 +94,8 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
+            signal.signal(s, signal.SIG_IGN)  # discards one that arrived since the fork (data/worker_server.py)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         watch_owner(self.owner)
 
 
