@@ -99,14 +99,19 @@ def test_watch_owner_ends_this_process_when_the_owner_exits(how):
 # A loader read while the process group gets SIGTERM, as a scheduler preempting a job sends it to every process of
 # the job: the loader's process handles it (as `vtrain train` does), the workers must not die of it.
 GROUP_SIGNAL = """
-    import os, signal, sys
+    import multiprocessing, os, signal, sys
     import torch
     import locked_dataset
-    from vtrain.data.workers import worker_context, worker_options
+    from vtrain.data.workers import worker_options
 
     heard = []
     signal.signal(signal.SIGTERM, lambda s, f: heard.append(s))
-    options = worker_options(2) if sys.argv[1] == "vtrain" else {"multiprocessing_context": worker_context(2)}
+    if sys.argv[1] == "vtrain":
+        options = worker_options(2)
+    else:  # a fork server without vtrain's preload, workers without WorkerInit
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([])
+        options = {"multiprocessing_context": context}
     loader = torch.utils.data.DataLoader(locked_dataset.Squares(200), batch_size=2, num_workers=2, **options)
     n = 0
     try:
@@ -123,7 +128,8 @@ GROUP_SIGNAL = """
 @pytest.mark.parametrize("options", ["vtrain", "plain"])
 def test_a_stop_signal_to_the_group_leaves_the_decision_to_the_loaders_process(options):
     """With `worker_options` every batch is read and the signal reached the handler; with a plain forkserver
-    context (the negative control) the workers die of it and the read fails."""
+    context (the negative control: no vtrain preload in the server, no WorkerInit) the workers die of it and the
+    read fails."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(GROUP_SIGNAL), options], cwd=ROOT,
                           env=script_env(), capture_output=True, text=True, timeout=120,
                           start_new_session=True)
