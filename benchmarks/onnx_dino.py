@@ -30,6 +30,7 @@ import torch
 
 from vtrain.models.dino import DINO
 from vtrain.models.dino.msda_onnx import LOWERINGS
+from vtrain.errors import VtrainError
 from vtrain.tools import export_detection as det
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +45,30 @@ def timed(run) -> tuple[float, float, object]:
     c, t = cpu_seconds(), time.perf_counter()
     out = run()
     return cpu_seconds() - c, time.perf_counter() - t, out
+
+
+def compare(run, ties: list[int]) -> dict:
+    """One of the export's comparisons, recorded instead of raised: with random weights every encoder token's
+    selection score is close to the others (the export redraws inputs with near-tied scores, `reference`, and
+    still finds them at this model's 900 queries), so the two runtimes may pair different tokens with the
+    learned queries and the detections differ for that reason alone. Speed does not depend on it."""
+    try:
+        c = run()
+    except VtrainError as e:
+        return {"ok": False, "near_tied_images": ties, "error": str(e)}
+    return {"ok": True, "near_tied_images": ties, **vars(c)}
+
+
+def verify(path: Path, graph) -> list[dict]:
+    """The export's own onnxruntime check (`export_detection.verify`), each of its inputs recorded."""
+    sess = det.session(path, "benchmark")
+    out = []
+    for batch, h, w in det.CHECKS:
+        images, sizes, want, ties = det.reference(graph, batch, h, w)
+        got = sess.run(None, {"images": images.numpy(), "image_sizes": sizes.numpy()})
+        out.append({"batch": batch, "size": [h, w],
+                    **compare(lambda: det.compare_top(got, want, f"{batch} x {h} x {w}", batch, h, w), ties)})
+    return out
 
 
 def main() -> None:
@@ -70,7 +95,7 @@ def main() -> None:
         program.save(path)
         size_mb = path.stat().st_size / 2**20
         print(f"export: {export_cpu:.0f} s CPU, {export_wall:.0f} s wall, {size_mb:.0f} MiB; checking ...", flush=True)
-        check_cpu, _, checks = timed(lambda: det.verify(path, graph))
+        check_cpu, _, checks = timed(lambda: verify(path, graph))
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = args.threads
         opts.inter_op_num_threads = 1
@@ -88,7 +113,7 @@ def main() -> None:
                     times[name].append((c, t))
                     print(f"  {name} run {i + 1}: {c:.2f} s CPU, {t:.2f} s wall", flush=True)
         got = sess.run(None, feed)
-        big = det.compare_top(got, want, f"{h} x {w}", 1, h, w)
+        big = compare(lambda: det.compare_top(got, want, f"{h} x {w}", 1, h, w), ties)
     cpu = {k: statistics.median(c for c, _ in v) for k, v in times.items()}
     wall = {k: statistics.median(t for _, t in v) for k, v in times.items()}
     load = os.getloadavg()
@@ -96,12 +121,11 @@ def main() -> None:
         "model": args.model, "classes": args.classes, "parameters": params, "msda": args.msda, "size": [h, w],
         "threads": args.threads, "repeats": args.repeats, "export_cpu_s": round(export_cpu, 1),
         "export_wall_s": round(export_wall, 1), "onnx_mib": round(size_mb, 1), "check_cpu_s": round(check_cpu, 1),
-        "checks": [vars(c) for c in checks],
+        "checks": checks,
         "cpu_s": {k: round(v, 3) for k, v in cpu.items()}, "wall_s": {k: round(v, 3) for k, v in wall.items()},
         "ratio_cpu": round(cpu["onnxruntime"] / cpu["pytorch"], 3),
         "ratio_wall": round(wall["onnxruntime"] / wall["pytorch"], 3),
-        "equality_at_size": {"score_diff": big.score_diff, "box_diff_px": big.box_diff, "detections": big.detections,
-                             "selection_near_ties": ties},
+        "equality_at_size": big,
         "runs": {k: [[round(c, 3), round(t, 3)] for c, t in v] for k, v in times.items()},
         "load_average_at_end": [round(x, 1) for x in load], "cpu_count": os.cpu_count(),
         "torch": torch.__version__, "onnxruntime": ort.__version__, "python": platform.python_version(),
@@ -122,13 +146,21 @@ def main() -> None:
         "| runtime | CPU s / image | wall s / image |", "|---|---|---|", *rows, "",
         f"onnxruntime / PyTorch: **{result['ratio_cpu']:.2f}x** the CPU time ({result['ratio_wall']:.2f}x wall).", "",
         f"Export (`vtrain export`'s trace, with onnxscript's optimizer): {export_cpu:.0f} s CPU ({export_wall:.0f} s "
-        f"wall under the load), {size_mb:.0f} MiB file; its onnxruntime check (batches 1 and 4 at 256 x 352 and "
-        f"223 x 301): {check_cpu:.0f} s CPU, largest differences "
-        f"{max(c.score_diff for c in checks):.1e} in scores and {max(c.box_diff for c in checks):.1e} px in boxes.",
-        "", f"At {h} x {w}: {big.detections} detections compared, scores within {big.score_diff:.1e}, boxes within "
-        f"{big.box_diff:.1e} px" + (f" (images with near-tied selection scores: {ties})" if ties else "") + ".", "",
+        f"wall under the load), {size_mb:.0f} MiB file; the check below took {check_cpu:.0f} s CPU.", "",
+        "The export's own onnxruntime check (inputs it did not trace) and the comparison at the timed size, recorded "
+        "rather than required here (random weights: near-tied selection scores, see `compare`):", "",
+        *[f"- {check_line(c)}" for c in checks], f"- 1 x {h} x {w}: {check_line(big)}", "",
         f"torch {torch.__version__}, onnxruntime {ort.__version__}. Command: `{result['command']}`", ""]))
     print(f"wrote {out.with_suffix('.md')}")
+
+
+def check_line(c: dict) -> str:
+    where = f"{c['batch']} x {c['size'][0]} x {c['size'][1]}: " if "size" in c else ""
+    ties = f" (near-tied selection scores in images {c['near_tied_images']})" if c["near_tied_images"] else ""
+    if c["ok"]:
+        return (f"{where}equal within tolerance: {c['detections']} detections, scores within {c['score_diff']:.1e}, "
+                f"boxes within {c['box_diff']:.1e} px{ties}")
+    return f"{where}differs{ties}: {c['error'].split(': ', 1)[-1][:300]}"
 
 
 if __name__ == "__main__":
