@@ -9,9 +9,12 @@ TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 # The demo's detection recipe; benchmarks/demo_seeds.py reads it from here and runs it for several seeds
 # (README: the AP range over seeds; docs/determinism.md §4). --deterministic --threads 2 below make a run repeatable
 # on one machine whatever OMP_NUM_THREADS says (2 intra-op threads: the 2-core machines this demo is timed on).
+# --num-workers 0: the samples are read in the training process; a loader worker would take CPU from the two compute
+# threads on those 2 cores (and start a worker server first), and each sample is seeded by (seed, epoch, index)
+# either way, so the weights are bit for bit those of a run with workers (docs/determinism.md §4).
 DEMO_DINO_FLAGS := --task dino --model demo-resnet --data demo --image-size 192 --batch-size 8 --max-steps 840 \
 	--dn-queries 100 --lr 1e-3 --warmup-steps 50 --ema-decay 0.99 --backbone-lr-mult 1 --clip-grad 1.0 \
-	--mixed-precision no --num-workers 1 --log-every 40 --eval-every 420 --save-every 420 --keep-last 1
+	--mixed-precision no --num-workers 0 --log-every 40 --eval-every 420 --save-every 420 --keep-last 1
 
 .PHONY: demo test test-fast fuzz install clean
 

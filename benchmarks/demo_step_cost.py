@@ -9,6 +9,9 @@ ratio predicts the new one's. The data loader's workers and evaluation are not i
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/demo_step_cost.py \\
         --before "--model debug-resnet --image-size 192 --batch-size 4" --steps 16
 
+`--setting fill` compares the recipe with and without the NaN-filling of new tensors that torch's deterministic mode
+does by default and `--deterministic` turns off (docs/determinism.md §3).
+
 `--after` defaults to the Makefile's DEMO_DINO_FLAGS (benchmarks/demo_seeds.py reads them the same way). Prints one
 JSON line: CPU seconds per step of each and their ratio.
 """
@@ -77,15 +80,25 @@ class Recipe:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, help="the recipe to compare with, as one flag string")
+    ap.add_argument("--before", help="the recipe to compare with, as one flag string")
     ap.add_argument("--after", help="default: the Makefile's DEMO_DINO_FLAGS")
     ap.add_argument("--steps", type=int, default=16, help="timed steps of each (after one untimed)")
+    ap.add_argument("--setting", choices=["fill"],
+                    help="instead of --before: the --after recipe twice, trained side by side, with torch's default "
+                         "(before) and vtrain's (after): fill = deterministic mode's NaN-filling of new tensors "
+                         "(vtrain's --deterministic: off)")
     a = ap.parse_args()
-    torch.set_num_threads(1)
-    recipes = {name: Recipe(shlex.split(text) if text else makefile_flags(), a.steps)
-               for name, text in (("before", a.before), ("after", a.after))}
+    if (a.before is None) == (a.setting is None):
+        ap.error("give --before or --setting")
+    torch.set_num_threads(1)  # one thread: the settings below are the calling thread's (and CPU time is its own)
+    texts = (("before", a.after if a.setting else a.before), ("after", a.after))
+    recipes = {name: Recipe(shlex.split(text) if text else makefile_flags(), a.steps) for name, text in texts}
+    if a.setting == "fill":
+        torch.use_deterministic_algorithms(True)
     for i in range(a.steps + 1):
-        for r in (recipes.values() if i % 2 else reversed(list(recipes.values()))):
+        for name, r in (recipes.items() if i % 2 else reversed(list(recipes.items()))):
+            if a.setting == "fill":
+                torch.utils.deterministic.fill_uninitialized_memory = name == "before"
             r.step(i, timed=i > 0)
     per = {k: r.seconds / a.steps for k, r in recipes.items()}
     print(json.dumps({"before_s_per_step": round(per["before"], 4), "after_s_per_step": round(per["after"], 4),

@@ -48,13 +48,14 @@ def _cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 _SETTINGS = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled())
 """torch's process-wide settings as the test process starts (OMP_NUM_THREADS=1: one thread; nothing deterministic)."""
+_FILL = torch.utils.deterministic.fill_uninitialized_memory
 
 
 @pytest.fixture(autouse=True)
 def _process_settings():
     """A run started in the test's own process (`cli_in_process`, a Trainer, also inside a module fixture) sets
-    process-wide torch settings (`--threads`: torch.set_num_threads; `--deterministic`:
-    use_deterministic_algorithms): put back to the process's starting values after each test, so that what a later
+    process-wide torch settings (`--threads`: torch.set_num_threads; `--deterministic`: use_deterministic_algorithms
+    and fill_uninitialized_memory): put back to the process's starting values after each test, so that what a later
     test measures in the same process (an allocator peak depends on the thread count) does not depend on which tests
     ran before it there (two xdist workers run them in other orders)."""
     yield
@@ -64,6 +65,7 @@ def _process_settings():
     if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
             deterministic, warn_only):
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = _FILL
 
 
 @pytest.fixture(scope="session")

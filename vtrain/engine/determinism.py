@@ -69,6 +69,12 @@ def apply(cfg: RunConfig, device: torch.device) -> list[str]:
     # backward adds with atomics), and refusing them would refuse every DINO run: there torch warns instead.
     strict = device.type == "cpu"
     torch.use_deterministic_algorithms(True, warn_only=not strict)
+    # Deterministic mode also fills every new uninitialized tensor with NaN (or an integer's maximum), so that an op
+    # that wrongly reads memory it never wrote gives the same result each run. No vtrain op reads such memory (the
+    # bit-identical rerun tests would show it), and the fills cost ~3,000 tensor writes per DINO demo step; PyTorch's
+    # documentation of `torch.utils.deterministic.fill_uninitialized_memory` says a valid program stays
+    # deterministic without them (PT-U in docs/determinism.md §2, §3).
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
     where = ("every op deterministic (an op without a deterministic version is an error)" if strict else

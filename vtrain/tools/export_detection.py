@@ -27,10 +27,11 @@ onnxruntime only).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,8 +222,15 @@ def reference(graph: DetectorGraph, batch: int, height: int, width: int) -> tupl
 def verify(path: Path, graph: DetectorGraph) -> list[Check]:
     """Run the file with onnxruntime on `CHECKS` and compare with `graph` run by PyTorch; a difference beyond the
     tolerances is an error naming the check (the caller leaves nothing behind)."""
-    sess = session(path, "export --verify")
-    checks = []
+    return [compare() for _, _, compare in comparisons(path, graph, "export --verify")]
+
+
+def comparisons(path: Path, graph: DetectorGraph, what: str) -> Iterator[tuple[tuple[int, int, int], list[int],
+                                                                                 Callable[[], Check]]]:
+    """Each of `CHECKS` run by onnxruntime on the file and by PyTorch on `graph`: its (batch, h, w), the images whose
+    selection scores stayed near-tied (`reference`), and the comparison of the two, to call: a `Check`, or a
+    `VtrainError` naming the difference. `what` names the caller in onnxruntime's errors."""
+    sess = session(path, what)
     for batch, h, w in CHECKS:
         images, sizes, want, ties = reference(graph, batch, h, w)
         got = sess.run(None, {"images": images.numpy(), "image_sizes": sizes.numpy()})
@@ -230,9 +238,8 @@ def verify(path: Path, graph: DetectorGraph) -> list[Check]:
         if ties:
             where += (f" (images {ties} have selection scores within {SELECTION_GAP} of each other in every one "
                       f"of {DRAWS} draws: near-equal scores may be ranked either way by two runtimes)")
-        checks.append(compare_raw(got, want, where, batch, h, w) if graph.raw else
-                      compare_top(got, want, where, batch, h, w))
-    return checks
+        yield (batch, h, w), ties, functools.partial(compare_raw if graph.raw else compare_top, got, want, where,
+                                                     batch, h, w)
 
 
 def compare_raw(got: list[np.ndarray], want: list[np.ndarray], where: str, batch: int, h: int, w: int) -> Check:
