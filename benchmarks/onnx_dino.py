@@ -149,14 +149,16 @@ def main() -> None:
 
 
 def check_line(c: dict) -> str:
-    where = f"{c['batch']} x {c['size'][0]} x {c['size'][1]}: " if "size" in c else ""
+    """One recorded comparison as a line: one of the export's checks (with its `size`) or the timed size's."""
     ties = f" (near-tied selection scores in images {c['near_tied_images']})" if c["near_tied_images"] else ""
     if c["ok"]:
+        where = f"{c['batch']} x {c['size'][0]} x {c['size'][1]}: " if "size" in c else ""
         return (f"{where}equal within tolerance: {c['detections']} detections, scores within {c['score_diff']:.1e}, "
                 f"boxes within {c['box_diff']:.1e} px{ties}")
-    # the export's message names the batch, the size and the near-tied images itself (after the file's name)
-    detail = c["error"].split(": ", 1)[-1]
-    return f"differs: {detail[:400]}" if where else f"differs{ties}: {detail[:300]}"
+    detail = c["error"].split(": ", 1)[-1]  # the message after the file's name (or the timed size)
+    if "size" in c:  # the export's own message names the batch, the size and the near-tied images
+        return f"differs: {detail[:400]}"
+    return f"differs{ties}: {detail[:300]}"
 
 
 if __name__ == "__main__":

@@ -152,4 +152,3 @@ def test_deterministic_mode_leaves_new_tensors_unfilled():
     assert torch.utils.deterministic.fill_uninitialized_memory  # torch's default, put back after each test
     determinism.apply(_cfg(deterministic=True, threads=1), torch.device("cpu"))
     assert torch.are_deterministic_algorithms_enabled() and not torch.utils.deterministic.fill_uninitialized_memory
-
